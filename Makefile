@@ -1,0 +1,50 @@
+# diffpolicy — the verbs people use. `make train` and `make test` set up what is missing first.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# The CPU build of torch; on a CUDA machine: make setup TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
+TORCH_SPEC ?= torch==2.13.0
+APT_PACKAGES := libusb-1.0-0 libegl1 libgl1 libegl-mesa0 libgles2 libosmesa6 ffmpeg
+STAMP := .setup.stamp
+export MUJOCO_GL ?= egl
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup train test test-all bench lint format clean
+
+$(STAMP): pyproject.toml Makefile
+	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); \
+	fi
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,deploy]"
+	$(PYTHON) -m diffpolicy.ops.build || echo "GAE CPU kernel not built; the pure-torch path will be used"
+	@touch $(STAMP)
+
+setup: $(STAMP)  ## install system packages, torch (CPU build), the project and its dev extras
+
+train: $(STAMP)  ## the main job: collect, pre-train, PPO fine-tune, evaluate (ARGS="algo.iterations=2 ...")
+	$(PYTHON) -m diffpolicy.train env=mujoco_pick $(ARGS)
+
+test: $(STAMP)  ## the default test suite (CPU, ~minutes)
+	$(PYTHON) -m pytest -q $(ARGS)
+
+test-all: $(STAMP)  ## also the slow training checks
+	$(PYTHON) -m pytest -q -m "slow or not slow" $(ARGS)
+
+bench: $(STAMP)  ## every benchmark, one JSON line each, into runs/bench.jsonl
+	@mkdir -p runs
+	@for b in env gae sampler bimodal ppo_update scaling serve; do \
+		$(PYTHON) -m diffpolicy.bench $$b | tail -n 1 | tee -a runs/bench.jsonl; \
+	done
+
+lint: $(STAMP)  ## ruff lint and format check
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format: $(STAMP)
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
+
+clean:
+	rm -rf $(STAMP) .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,504 @@
+"""Typed configuration: one dataclass per component, validated once in ``__post_init__``.
+
+YAML files under ``conf/`` only compose and override these. Every dataclass is registered in Hydra's
+ConfigStore by :func:`register_configs` (called by the entry points; this module itself never imports Hydra
+so that library code can build configs in plain Python).
+
+Symbols follow DESIGN.md: B batch, To observation history, Ta action horizon, Da action dimension,
+Te executed actions per decision, K denoising steps, K' fine-tuned steps, T decisions per iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MISSING_PATH = ""
+
+
+def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    if allow_zero and value < 0 or not allow_zero and value <= 0:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value!r} is out of range; it must be {bound}")
+
+
+def _unit(name: str, value: float, *, open_low: bool = False) -> None:
+    low_ok = value > 0 if open_low else value >= 0
+    if not (low_ok and value <= 1):
+        low = "(0" if open_low else "[0"
+        raise ValueError(f"{name}={value!r} is out of range; it must lie in {low}, 1]")
+
+
+@dataclass
+class EnvConfig:
+    """Which environment to train on and how to run it."""
+
+    name: str = "mujoco_pick"
+    """Config-group entry: mujoco_pick | obstacle_reach | gym."""
+    id: str = "diffpolicy_envs:MujocoPick-v0"
+    """gymnasium id passed to ``gymnasium.make``."""
+    num_envs: int = 4
+    """Parallel environments per process (B during rollouts)."""
+    vectorization: str = "sync"
+    """gymnasium vector mode: sync (one process) | async (one subprocess per env)."""
+    obs_mode: str = "multimodal"
+    """multimodal (rgb, points, instruction, state) | state (state + target identity only)."""
+    image_size: int = 84
+    """Side of the square RGB observation in pixels."""
+    n_points: int = 512
+    """Points in the point-cloud observation (N)."""
+    max_episode_steps: int = 120
+    """Time limit in control steps."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments forwarded to the environment constructor."""
+
+    def __post_init__(self) -> None:
+        _choice("env.name", self.name, ("mujoco_pick", "obstacle_reach", "gym"))
+        _choice("env.vectorization", self.vectorization, ("sync", "async"))
+        _choice("env.obs_mode", self.obs_mode, ("multimodal", "state"))
+        if not self.id:
+            raise ValueError("env.id is empty; give a gymnasium id such as Pendulum-v1")
+        _positive("env.num_envs", self.num_envs)
+        _positive("env.image_size", self.image_size)
+        _positive("env.n_points", self.n_points)
+        _positive("env.max_episode_steps", self.max_episode_steps)
+
+
+@dataclass
+class EncoderConfig:
+    """Observation encoders and their fusion into one conditioning vector."""
+
+    use_rgb: bool = True
+    """Encode the RGB image (ignored when the environment has no ``rgb``)."""
+    use_points: bool = True
+    """Encode the voxelised point cloud (ignored when the environment has no ``points``)."""
+    use_text: bool = True
+    """Encode the instruction with the frozen MiniLM (ignored when the environment has no ``instruction``)."""
+    rgb_channels: list[int] = field(default_factory=lambda: [32, 64, 128])
+    """Channels of the ResNet-style RGB stages."""
+    rgb_keypoints: int = 32
+    """Spatial-softmax keypoints of the RGB encoder."""
+    random_shift: int = 4
+    """Pixels of random-shift augmentation during training (0 disables)."""
+    voxel_grid: int = 16
+    """Side G of the G^3 occupancy grid."""
+    workspace_low: list[float] = field(default_factory=lambda: [-0.1, -0.45, -0.05])
+    """Lower corner of the voxelised workspace box in the robot base frame (m)."""
+    workspace_high: list[float] = field(default_factory=lambda: [0.8, 0.45, 0.6])
+    """Upper corner of the voxelised workspace box in the robot base frame (m)."""
+    voxel_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
+    """Channels of the 3-D convolutional stages."""
+    token_dim: int = 128
+    """Width of the per-modality tokens mixed by cross-modal attention."""
+    fusion_heads: int = 4
+    """Attention heads in the fusion block."""
+    fusion_layers: int = 1
+    """Cross-modal attention layers."""
+    state_hidden: int = 128
+    """Hidden width of the proprioception MLP."""
+
+    def __post_init__(self) -> None:
+        if len(self.rgb_channels) == 0:
+            raise ValueError("policy.encoder.rgb_channels is empty; give at least one stage width")
+        _positive("policy.encoder.rgb_keypoints", self.rgb_keypoints)
+        _positive("policy.encoder.random_shift", self.random_shift, allow_zero=True)
+        _positive("policy.encoder.voxel_grid", self.voxel_grid)
+        if len(self.workspace_low) != 3 or len(self.workspace_high) != 3:
+            raise ValueError("policy.encoder.workspace_low/high must each have 3 values (x, y, z in m)")
+        if any(lo >= hi for lo, hi in zip(self.workspace_low, self.workspace_high)):
+            raise ValueError("policy.encoder.workspace_low must be below workspace_high on every axis")
+        _positive("policy.encoder.token_dim", self.token_dim)
+        _positive("policy.encoder.fusion_heads", self.fusion_heads)
+        if self.token_dim % self.fusion_heads:
+            raise ValueError(
+                f"policy.encoder.token_dim={self.token_dim} must be divisible by fusion_heads={self.fusion_heads}"
+            )
+        _positive("policy.encoder.fusion_layers", self.fusion_layers)
+        _positive("policy.encoder.state_hidden", self.state_hidden)
+
+
+@dataclass
+class PolicyConfig:
+    """The diffusion policy: encoders, 1-D U-Net denoiser and DDPM/DDIM schedule."""
+
+    name: str = "unet_small"
+    """Config-group entry: unet_small | unet_large | gaussian (the MLP baseline)."""
+    kind: str = "diffusion"
+    """diffusion | gaussian (a Gaussian MLP baseline with the same encoders)."""
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    """Observation encoders."""
+    cond_dim: int = 256
+    """Width of the fused conditioning vector fed to every residual block."""
+    down_dims: list[int] = field(default_factory=lambda: [64, 128, 256])
+    """Channel widths of the U-Net levels."""
+    kernel_size: int = 5
+    """Temporal convolution kernel of the U-Net."""
+    n_groups: int = 8
+    """GroupNorm groups in the U-Net."""
+    step_embed_dim: int = 128
+    """Sinusoidal diffusion-step embedding width."""
+    conditioning: str = "film"
+    """film (per-channel scale and shift) | adanorm (normalise, then condition-predicted affine)."""
+    horizon: int = 64
+    """Ta: actions per sampled chunk."""
+    n_obs_steps: int = 1
+    """To: observation history steps."""
+    n_action_steps: int = 8
+    """Te: actions of a chunk executed before replanning."""
+    train_timesteps: int = 100
+    """Diffusion steps of the DDPM training schedule."""
+    ddim_steps: int = 10
+    """K: DDIM steps when sampling."""
+    ft_steps: int = 5
+    """K': last DDIM steps that PPO fine-tunes (K' <= K)."""
+    min_std: float = 0.1
+    """Lower bound on the std of every stochastic DDIM step (exploration), in normalised action units."""
+    eta: float = 1.0
+    """DDIM stochasticity for fine-tuned steps (0 = deterministic)."""
+    clip_sample: float = 1.0
+    """Predicted x0 is clipped to [-clip_sample, clip_sample]."""
+    gaussian_hidden: list[int] = field(default_factory=lambda: [512, 512])
+    """Hidden widths of the Gaussian MLP baseline."""
+    freeze_encoders: bool = False
+    """Keep encoder weights fixed (the text encoder is always frozen)."""
+    grad_checkpointing: bool = False
+    """Recompute encoder/denoiser activations in backward to save memory."""
+    compile: bool = False
+    """torch.compile the sampling loop where the backend allows."""
+    init: str = MISSING_PATH
+    """Start from this checkpoint instead of pre-training ('' = pre-train or reuse the cached one)."""
+
+    def __post_init__(self) -> None:
+        _choice("policy.kind", self.kind, ("diffusion", "gaussian"))
+        _choice("policy.conditioning", self.conditioning, ("film", "adanorm"))
+        if isinstance(self.encoder, dict):
+            self.encoder = EncoderConfig(**self.encoder)
+        if not self.down_dims:
+            raise ValueError("policy.down_dims is empty; give at least one level width")
+        for d in self.down_dims:
+            if d <= 0 or d % self.n_groups:
+                raise ValueError(f"policy.down_dims={self.down_dims} must be positive multiples of n_groups")
+        _positive("policy.cond_dim", self.cond_dim)
+        if self.kernel_size <= 0 or self.kernel_size % 2 == 0:
+            raise ValueError(f"policy.kernel_size={self.kernel_size} must be a positive odd number")
+        _positive("policy.horizon", self.horizon)
+        if self.horizon % (2 ** (len(self.down_dims) - 1)):
+            raise ValueError(
+                f"policy.horizon={self.horizon} must be divisible by 2^(levels-1)={2 ** (len(self.down_dims) - 1)}"
+            )
+        _positive("policy.n_obs_steps", self.n_obs_steps)
+        if not 0 < self.n_action_steps <= self.horizon:
+            raise ValueError(
+                f"policy.n_action_steps={self.n_action_steps} must lie in [1, horizon={self.horizon}]"
+            )
+        _positive("policy.train_timesteps", self.train_timesteps)
+        if not 0 < self.ddim_steps <= self.train_timesteps:
+            raise ValueError(f"policy.ddim_steps={self.ddim_steps} must lie in [1, train_timesteps]")
+        if not 0 < self.ft_steps <= self.ddim_steps:
+            raise ValueError(f"policy.ft_steps={self.ft_steps} must lie in [1, ddim_steps={self.ddim_steps}]")
+        _positive("policy.min_std", self.min_std)
+        _unit("policy.eta", self.eta)
+        _positive("policy.clip_sample", self.clip_sample)
+
+
+@dataclass
+class AlgoConfig:
+    """PPO fine-tuning of the last K' denoising steps (and the BC pre-training it starts from)."""
+
+    name: str = "ppo"
+    """Config-group entry."""
+    iterations: int = 40
+    """PPO iterations (rollout + update)."""
+    n_steps: int = 8
+    """T: decisions per environment per iteration."""
+    update_epochs: int = 4
+    """Passes over each iteration's rollout."""
+    minibatch_size: int = 64
+    """Decisions per minibatch."""
+    lr: float = 3e-5
+    """Actor (denoiser) learning rate."""
+    critic_lr: float = 3e-4
+    """Critic learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    gamma: float = 0.99
+    """Discount between decisions."""
+    gae_lambda: float = 0.95
+    """GAE lambda."""
+    denoise_gamma: float = 1.0
+    """Discount along the denoising steps (1 = none)."""
+    clip_eps: float = 0.01
+    """PPO clip range at the first fine-tuned denoising step."""
+    clip_eps_final: float = 0.01
+    """Clip range at the final denoising step (linear in between; larger lets the last step move more)."""
+    clip: str = "ppo"
+    """ppo (min of clipped and unclipped surrogate) | unconditional (StableDRL: always clip the ratio)."""
+    normalize: str = "mean"
+    """mean (average over samples) | self (self-normalised weights: divide by the sum of clipped ratios)."""
+    advantage: str = "gae"
+    """gae (critic + GAE over decisions) | grpo (group-relative: G envs share a seed, no critic)."""
+    group_size: int = 4
+    """G: environments per group for algo.advantage=grpo."""
+    norm_adv: bool = True
+    """Normalise advantages per minibatch."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    target_kl: float = 0.05
+    """Stop the update epochs early when the approximate KL exceeds this (0 disables)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm."""
+    reg: str = "none"
+    """Regulariser toward the pre-trained policy: none | kl | bc."""
+    reg_coef: float = 0.0
+    """Weight of the regulariser."""
+    grad_monitor_window: int = 20
+    """Updates in the gradient-norm z-score window."""
+    grad_spike_sigma: float = 3.0
+    """Warn when the gradient norm's z-score exceeds this."""
+    rollback_drop: float = 0.3
+    """Roll back to the last stable checkpoint when the success rate falls this far below its best."""
+    bc_epochs: int = 60
+    """Behaviour-cloning epochs over the demonstrations."""
+    bc_batch_size: int = 128
+    """Behaviour-cloning batch size (windows)."""
+    bc_lr: float = 1e-3
+    """Behaviour-cloning peak learning rate (AdamW, cosine schedule)."""
+    ema_decay: float = 0.995
+    """EMA decay of the behaviour-cloning weights."""
+    n_demos: int = 100
+    """Demonstration episodes collected for behaviour cloning."""
+
+    def __post_init__(self) -> None:
+        _choice("algo.clip", self.clip, ("ppo", "unconditional"))
+        _choice("algo.normalize", self.normalize, ("mean", "self"))
+        _choice("algo.advantage", self.advantage, ("gae", "grpo"))
+        _choice("algo.reg", self.reg, ("none", "kl", "bc"))
+        for name in ("iterations", "n_steps", "update_epochs", "minibatch_size", "group_size"):
+            _positive(f"algo.{name}", getattr(self, name))
+        for name in ("bc_epochs", "bc_batch_size", "n_demos", "grad_monitor_window"):
+            _positive(f"algo.{name}", getattr(self, name))
+        for name in ("lr", "critic_lr", "bc_lr", "clip_eps", "clip_eps_final", "grad_spike_sigma"):
+            _positive(f"algo.{name}", getattr(self, name))
+        for name in ("weight_decay", "vf_coef", "target_kl", "max_grad_norm", "reg_coef"):
+            _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+        for name in ("gamma", "gae_lambda", "denoise_gamma", "ema_decay", "rollback_drop"):
+            _unit(f"algo.{name}", getattr(self, name))
+
+
+@dataclass
+class DeviceConfig:
+    """Where to run and at which precision."""
+
+    type: str = "auto"
+    """auto (npu, then cuda, then cpu) | cpu | cuda | npu."""
+    index: int = -1
+    """Card index; -1 uses LOCAL_RANK under torchrun, else 0."""
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16 autocast for encoders and denoiser (log-probs, losses, value head stay fp32)."""
+    threads: int = 0
+    """CPU intra-op threads (0 keeps torch's default)."""
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms."""
+
+    def __post_init__(self) -> None:
+        _choice("device.type", self.type, ("auto", "cpu", "cuda", "npu"))
+        _choice("device.precision", self.precision, ("fp32", "bf16", "fp16"))
+        if self.index < -1:
+            raise ValueError(f"device.index={self.index} must be -1 (auto) or a card number >= 0")
+        _positive("device.threads", self.threads, allow_zero=True)
+
+
+@dataclass
+class DistConfig:
+    """Data parallelism over processes started by torchrun."""
+
+    name: str = "none"
+    """Config-group entry: none | ddp | atlas800t."""
+    mode: str = "none"
+    """none (one process) | ddp (DistributedDataParallel over torchrun's processes)."""
+    backend: str = "auto"
+    """auto (from the device: hccl / nccl / gloo) | gloo | nccl | hccl."""
+    timeout_s: int = 300
+    """Collective timeout in seconds: a stuck rank fails the job after this long, never hangs it."""
+    hccl_connect_timeout_s: int = 1200
+    """HCCL_CONNECT_TIMEOUT on Ascend (s)."""
+    hccl_buffsize_mb: int = 200
+    """HCCL_BUFFSIZE on Ascend (MB per communication buffer)."""
+    visible_devices: str = ""
+    """ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES to export ('' leaves it alone)."""
+
+    def __post_init__(self) -> None:
+        _choice("dist.mode", self.mode, ("none", "ddp"))
+        _choice("dist.backend", self.backend, ("auto", "gloo", "nccl", "hccl"))
+        _positive("dist.timeout_s", self.timeout_s)
+        _positive("dist.hccl_connect_timeout_s", self.hccl_connect_timeout_s)
+        _positive("dist.hccl_buffsize_mb", self.hccl_buffsize_mb)
+
+
+@dataclass
+class LogConfig:
+    """Where and how often to report."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files in the run directory."""
+    progress: bool = True
+    """Show a tqdm progress bar on long loops (rank 0, interactive or not)."""
+    every: int = 1
+    """Log metrics every this many iterations."""
+
+    def __post_init__(self) -> None:
+        _positive("log.every", self.every)
+
+
+@dataclass
+class TrainConfig:
+    """``python -m diffpolicy.train``: collect, pre-train, fine-tune with PPO, evaluate."""
+
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    seed: int = 0
+    """Base seed (rank r uses seed + 1000 r)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in the run directory."""
+    checkpoint_every: int = 5
+    """Write a checkpoint every this many PPO iterations."""
+    eval_episodes: int = 100
+    """Held-out episodes evaluated before and after fine-tuning."""
+    eval_seed: int = 100_000
+    """First seed of the held-out evaluation episodes (disjoint from demonstration seeds)."""
+    cache_dir: str = "${oc.env:DIFFPOLICY_CACHE,runs/cache}"
+    """Where demonstrations and the pre-trained checkpoint are cached between runs."""
+    video_episodes: int = 2
+    """Episodes recorded to mp4 after fine-tuning."""
+
+    def __post_init__(self) -> None:
+        _positive("seed", self.seed, allow_zero=True)
+        _positive("checkpoint_every", self.checkpoint_every)
+        _positive("eval_episodes", self.eval_episodes)
+        _positive("video_episodes", self.video_episodes, allow_zero=True)
+
+
+@dataclass
+class CollectConfig:
+    """``python -m diffpolicy.collect``: roll out the scripted expert and write a demonstration dataset."""
+
+    env: EnvConfig = field(default_factory=EnvConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    n_episodes: int = 100
+    """Demonstration episodes to record."""
+    seed: int = 0
+    """First episode seed (episode i uses seed + i)."""
+    out: str = ""
+    """Output dataset directory ('' writes ``demos`` in the run directory)."""
+    keep_failures: bool = False
+    """Also store episodes where the expert failed."""
+
+    def __post_init__(self) -> None:
+        _positive("n_episodes", self.n_episodes)
+        _positive("seed", self.seed, allow_zero=True)
+
+
+@dataclass
+class PretrainConfig:
+    """``python -m diffpolicy.pretrain``: behaviour cloning from demonstrations."""
+
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    seed: int = 0
+    """Seed for initialisation and batching."""
+    demos: str = ""
+    """Demonstration dataset ('' collects into the cache when missing)."""
+    cache_dir: str = "${oc.env:DIFFPOLICY_CACHE,runs/cache}"
+    """Where demonstrations are cached between runs."""
+
+    def __post_init__(self) -> None:
+        _positive("seed", self.seed, allow_zero=True)
+
+
+@dataclass
+class EvaluateConfig:
+    """``python -m diffpolicy.evaluate``: success rate of a checkpoint on held-out seeds."""
+
+    checkpoint: str = ""
+    """Checkpoint directory to evaluate (required)."""
+    n_episodes: int = 100
+    """Held-out episodes."""
+    num_envs: int = 4
+    """Parallel environments."""
+    eval_seed: int = 100_000
+    """First held-out seed (disjoint from demonstration seeds)."""
+    video_episodes: int = 2
+    """Episodes recorded to mp4."""
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint:
+            raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
+        _positive("n_episodes", self.n_episodes)
+        _positive("num_envs", self.num_envs)
+        _positive("video_episodes", self.video_episodes, allow_zero=True)
+
+
+@dataclass
+class BenchConfig:
+    """``python -m diffpolicy.bench NAME``: micro- and macro-benchmarks printed as JSON."""
+
+    repeats: int = 5
+    """Repetitions; the median is reported."""
+    threads: int = 2
+    """torch intra-op threads."""
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    options: dict[str, Any] = field(default_factory=dict)
+    """Benchmark-specific options (``+options.key=value``)."""
+
+    def __post_init__(self) -> None:
+        _positive("repeats", self.repeats)
+        _positive("threads", self.threads)
+
+
+GROUPS: dict[str, type] = {
+    "env": EnvConfig,
+    "policy": PolicyConfig,
+    "algo": AlgoConfig,
+    "device": DeviceConfig,
+    "dist": DistConfig,
+}
+"""Config groups under ``conf/`` and the dataclass that backs each."""
+
+PRIMARY: dict[str, type] = {
+    "train": TrainConfig,
+    "collect": CollectConfig,
+    "pretrain": PretrainConfig,
+    "evaluate": EvaluateConfig,
+    "bench": BenchConfig,
+}
+"""Primary config per entry point (``conf/<name>.yaml``) and its dataclass."""
+
+
+def register_configs() -> None:
+    """Register every dataclass in Hydra's ConfigStore (schemas ``<name>_schema`` / ``<group>/<x>_schema``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, cls in PRIMARY.items():
+        cs.store(name=f"{name}_schema", node=cls)
+    for group, cls in GROUPS.items():
+        cs.store(group=group, name=f"{group}_schema", node=cls)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` that re-runs validation (a thin alias for readability at call sites)."""
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,33 @@
+"""Standalone gymnasium environments of diffpolicy (never imports ``diffpolicy``).
+
+Importing this package registers:
+
+| id | module | what |
+|---|---|---|
+| ``MujocoPick-v0`` | :mod:`diffpolicy_envs.mujoco_pick` | arm picks the named cube into a tray; rgb, points, text |
+| ``ObstacleReach-v0`` | :mod:`diffpolicy_envs.obstacle_reach` | 2-D point mass reaches a goal behind an obstacle |
+
+so ``gymnasium.make("diffpolicy_envs:MujocoPick-v0")`` works with no other import. Scripted experts live in
+:mod:`diffpolicy_envs.experts`, the Box-env adapter in :mod:`diffpolicy_envs.adapters` and vectorised
+construction in :mod:`diffpolicy_envs.vector`.
+"""
+
+from gymnasium.envs.registration import register, registry
+
+ENV_IDS = ("MujocoPick-v0", "ObstacleReach-v0")
+"""Environments this package registers."""
+
+if "MujocoPick-v0" not in registry:
+    register(
+        id="MujocoPick-v0",
+        entry_point="diffpolicy_envs.mujoco_pick:MujocoPickEnv",
+        max_episode_steps=120,
+    )
+if "ObstacleReach-v0" not in registry:
+    register(
+        id="ObstacleReach-v0",
+        entry_point="diffpolicy_envs.obstacle_reach:ObstacleReachEnv",
+        max_episode_steps=50,
+    )
+
+__all__ = ["ENV_IDS"]

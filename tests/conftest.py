@@ -1,0 +1,67 @@
+"""Test-wide settings: CPU by default, ``pytest --device=cuda|npu`` runs the same suite on an accelerator."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda", "npu"),
+        help="device every test runs on (default cpu); the suite skips device-only tests elsewhere",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ["DIFFPOLICY_TEST_DEVICE"] = config.getoption("--device")
+
+
+@pytest.fixture(scope="session")
+def device_type(pytestconfig: pytest.Config) -> str:
+    """The device type this run tests (``cpu`` unless ``--device`` says otherwise)."""
+    return pytestconfig.getoption("--device")
+
+
+@pytest.fixture(scope="session")
+def runtime(device_type: str):
+    """A resolved :class:`diffpolicy.device.Runtime` for the test device (skips if it is unusable)."""
+    from diffpolicy.config import DeviceConfig
+    from diffpolicy.device import DeviceError, Runtime
+
+    try:
+        return Runtime.from_config(DeviceConfig(type=device_type))
+    except DeviceError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def device(runtime) -> torch.device:
+    """The ``torch.device`` tests put their tensors on."""
+    return runtime.device
+
+
+@pytest.fixture
+def compose(device_type: str):
+    """``compose(name, overrides)`` -> typed config, with the test device appended as an override."""
+    from diffpolicy.cli import compose as _compose
+
+    def _make(config_name: str, overrides: list[str] | None = None):
+        extra = [] if config_name in ("collect",) else [f"device={device_type}"]
+        return _compose(config_name, [*(overrides or []), *extra])
+
+    return _make
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
