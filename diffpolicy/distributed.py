@@ -1,0 +1,161 @@
+"""Data parallelism over processes started by torchrun: process group, rank helpers, DDP, seeding.
+
+``torchrun --nproc_per_node=N -m diffpolicy.train dist=ddp`` sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`process_group` reads them, picks the backend from
+the device layer (gloo on the CPU, nccl on CUDA, hccl on Ascend), bounds every collective by
+``dist.timeout_s`` and always destroys the group, also when the job raises. A rank that raises exits
+non-zero; torchrun then stops the other ranks and the job exits non-zero with the failing rank's message.
+
+The HCCL-specific part is :func:`_hccl_environment` (four environment variables for Atlas 800T nodes);
+it was written from Ascend's documentation and not run here (no Ascend hardware in this project's CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from diffpolicy.config import DistConfig
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that alone logs, checkpoints and evaluates."""
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        """True when a process group is in use (more than one process or ``dist=ddp``)."""
+        return dist.is_available() and dist.is_initialized()
+
+
+def seed_for_rank(seed: int, rank: int) -> int:
+    """Per-rank seed: ranks step different environments but a run is reproducible."""
+    return seed + 1000 * rank
+
+
+def apply_visible_devices(cfg: DistConfig, device_type: str) -> None:
+    """Export ``dist.visible_devices`` for the device's runtime (call before the device is initialised)."""
+    if not cfg.visible_devices:
+        return
+    var = "ASCEND_RT_VISIBLE_DEVICES" if device_type == "npu" else "CUDA_VISIBLE_DEVICES"
+    os.environ.setdefault(var, cfg.visible_devices)
+
+
+def _hccl_environment(cfg: DistConfig) -> None:
+    """HCCL settings that matter on Atlas 800T (8 NPUs per node); not run in this project's CI."""
+    os.environ.setdefault("HCCL_CONNECT_TIMEOUT", str(cfg.hccl_connect_timeout_s))
+    os.environ.setdefault("HCCL_EXEC_TIMEOUT", str(cfg.timeout_s))
+    os.environ.setdefault("HCCL_BUFFSIZE", str(cfg.hccl_buffsize_mb))
+    os.environ.setdefault("HCCL_WHITELIST_DISABLE", "1")
+
+
+def backend_name(cfg: DistConfig, device_backend: str) -> str:
+    """The torch.distributed backend: ``dist.backend`` or, for ``auto``, the device layer's choice."""
+    return device_backend if cfg.backend == "auto" else cfg.backend
+
+
+@contextlib.contextmanager
+def process_group(
+    cfg: DistConfig, device_backend: str, device: torch.device | None = None
+) -> Iterator[DistInfo]:
+    """Initialise the process group from torchrun's environment for ``dist=ddp``; destroy it on exit.
+
+    Args:
+        cfg: the ``dist`` config; ``mode=none`` yields a single-process :class:`DistInfo`.
+        device_backend: the device layer's backend name (``Runtime.dist_backend``).
+        device: this rank's device (binds NCCL/HCCL communicators to it).
+    """
+    if cfg.mode == "none":
+        yield DistInfo()
+        return
+    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"dist={cfg.name} needs torchrun's environment ({', '.join(missing)} unset): "
+            "launch with torchrun --nproc_per_node=N -m diffpolicy.train dist=ddp"
+        )
+    backend = backend_name(cfg, device_backend)
+    if backend == "hccl":
+        _hccl_environment(cfg)
+    info = DistInfo(
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+    )
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        rank=info.rank,
+        world_size=info.world_size,
+    )
+    try:
+        yield info
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def wrap(module: torch.nn.Module, info: DistInfo, device: torch.device) -> torch.nn.Module:
+    """DistributedDataParallel around ``module`` when a process group is up, else ``module`` itself."""
+    if not info.enabled or not any(p.requires_grad for p in module.parameters()):
+        return module
+    ids = None if device.type == "cpu" else [device.index]
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a DDP wrapper (or the module itself)."""
+    return module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+
+
+def mean_metrics(metrics: Mapping[str, float], info: DistInfo, device: torch.device) -> dict[str, float]:
+    """Average scalar metrics over ranks (identity in a single process); every rank gets the result."""
+    if not info.enabled or not metrics:
+        return dict(metrics)
+    keys = sorted(metrics)
+    buf = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    buf /= info.world_size
+    return dict(zip(keys, buf.tolist()))
+
+
+def sum_metrics(metrics: Mapping[str, float], info: DistInfo, device: torch.device) -> dict[str, float]:
+    """Sum scalar metrics (counts such as environment steps) over ranks."""
+    if not info.enabled or not metrics:
+        return dict(metrics)
+    keys = sorted(metrics)
+    buf = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, buf.tolist()))
+
+
+def barrier(info: DistInfo) -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if info.enabled:
+        dist.barrier()
+
+
+def broadcast_flag(flag: bool, info: DistInfo, device: torch.device) -> bool:
+    """Rank 0's decision (e.g. 'roll back now') made known to every rank."""
+    if not info.enabled:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=0)
+    return bool(t.item())
