@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev,deploy]"
-	$(PYTHON) -m diffpolicy.ops.build || echo "GAE CPU kernel not built; the pure-torch path will be used"
+	$(PYTHON) -m diffpolicy.ops || echo "GAE CPU kernel not built; the pure-torch path will be used"
 	@touch $(STAMP)
 
 setup: $(STAMP)  ## install system packages, torch (CPU build), the project and its dev extras

@@ -1,0 +1,11 @@
+"""Python face of kernels/: custom operators with one compiled implementation per device.
+
+``gae`` is the ``diffpolicy::gae`` operator (CPU C++, CUDA, AscendC on NPU, pure-torch fallback);
+``gae_reference`` its readable pure-torch oracle; ``build`` prebuilds the kernels for this machine
+(also ``python -m diffpolicy.ops``); ``kernel_status`` says which device types run compiled code.
+"""
+
+from diffpolicy.ops._gae import gae, gae_reference
+from diffpolicy.ops._loader import KernelFallbackWarning, build, cache_dir, kernel_status
+
+__all__ = ["KernelFallbackWarning", "build", "cache_dir", "gae", "gae_reference", "kernel_status"]
