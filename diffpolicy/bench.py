@@ -24,6 +24,7 @@ BENCHMARKS = {
     "sampler": "batch-1 latency of one DDIM chunk for both U-Net sizes",
     "bimodal": "diffusion vs Gaussian BC on the bimodal ObstacleReach task",
     "ppo_update": "PPO update throughput (decisions per second)",
+    "stabledrl": "standard PPO vs StableDRL clipping under 100x importance-ratio noise",
     "scaling": "PPO environment steps per second with 1 and 2 processes",
     "serve": "gRPC action server latency and throughput",
 }

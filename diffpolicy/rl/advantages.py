@@ -1,0 +1,117 @@
+"""Advantage estimators: GAE over decisions, group-relative (GRPO), normalisation, denoising discount.
+
+Symbols (DESIGN.md): T decisions per environment, N environments, B decisions in a batch, K' fine-tuned
+denoising steps, G environments per group.
+
+GAE runs the ``diffpolicy::gae`` operator (:func:`diffpolicy.ops.gae`, imported lazily so this module imports
+even where the op is not built); :func:`gae_loop_reference` is an independent scalar loop the op is tested
+against here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+@torch.no_grad()
+def gae_advantages(
+    rewards: Tensor, values: Tensor, dones: Tensor, last_value: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimates over decisions with :func:`diffpolicy.ops.gae`.
+
+    Args:
+        rewards: (T, N) reward of each decision (the sum of its Te environment rewards).
+        values: (T, N) critic value of the observation each decision was taken from.
+        dones: (T, N) 1 where the episode ended at that decision (nothing after it is bootstrapped).
+        last_value: (N,) critic value of the observation after the last decision.
+        gamma: discount between decisions.
+        lam: GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, both (T, N) float32, with ``returns = advantages + values``.
+    """
+    from diffpolicy.ops import gae
+
+    f32 = torch.float32
+    return gae(
+        rewards.to(f32).contiguous(),
+        values.to(f32).contiguous(),
+        dones.to(f32).contiguous(),
+        last_value.to(f32).contiguous(),
+        float(gamma),
+        float(lam),
+    )
+
+
+def gae_loop_reference(
+    rewards: Tensor, values: Tensor, dones: Tensor, last_value: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Scalar double loop over envs and reversed time, in float64: the independent answer for tests.
+
+    Same arguments and returns as :func:`gae_advantages` (float64, on the CPU).
+    """
+    r, v, d = (x.detach().double().cpu() for x in (rewards, values, dones))
+    lv = last_value.detach().double().cpu()
+    T, N = r.shape
+    adv = torch.zeros(T, N, dtype=torch.float64)
+    for n in range(N):
+        running = 0.0
+        for t in reversed(range(T)):
+            next_v = float(lv[n]) if t == T - 1 else float(v[t + 1, n])
+            keep = 1.0 - float(d[t, n])
+            delta = float(r[t, n]) + gamma * next_v * keep - float(v[t, n])
+            running = delta + gamma * lam * keep * running
+            adv[t, n] = running
+    return adv, adv + v
+
+
+def grpo_advantages(returns: Tensor, eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages: (R - mean) / (std + eps) within each group.
+
+    A group is the G environments reset to the same seed; their episode returns are compared with each
+    other, so no critic is needed. The std is the population std (``correction=0``), so a group of one
+    gives advantage 0 rather than NaN.
+
+    Args:
+        returns: (num_groups, G) episode return of each member.
+        eps: added to the std (groups whose members all scored the same get advantage 0).
+
+    Returns:
+        (num_groups, G) float32 advantages.
+    """
+    if returns.dim() != 2:
+        raise ValueError(f"returns must be (num_groups, G); got shape {tuple(returns.shape)}")
+    r = returns.float()
+    mean = r.mean(dim=1, keepdim=True)  # (num_groups, 1)
+    std = r.std(dim=1, correction=0, keepdim=True)  # (num_groups, 1)
+    return (r - mean) / (std + eps)
+
+
+def normalize(adv: Tensor, eps: float = 1e-8) -> Tensor:
+    """(adv - mean) / (std + eps) over all elements (e.g. per minibatch), in float32."""
+    a = adv.float()
+    if a.numel() < 2:
+        return a - a.mean()
+    return (a - a.mean()) / (a.std() + eps)
+
+
+def denoise_discount(adv: Tensor, ft_steps: int, gamma_denoise: float) -> Tensor:
+    """Spread decision advantages over the K' fine-tuned denoising steps with a discount.
+
+    Column k (0 = first fine-tuned step, K'-1 = the final step producing x_0) is weighted
+    ``gamma_denoise ** (K' - 1 - k)``: the final step keeps the full advantage, earlier steps less.
+
+    Args:
+        adv: (B,) advantage per decision.
+        ft_steps: K'.
+        gamma_denoise: discount along the denoising steps in [0, 1] (1 = none).
+
+    Returns:
+        (B, K') float32.
+    """
+    if adv.dim() != 1:
+        raise ValueError(f"adv must be (B,); got shape {tuple(adv.shape)}")
+    k = torch.arange(ft_steps, device=adv.device, dtype=torch.float32)  # (K',)
+    weights = torch.pow(torch.tensor(float(gamma_denoise), device=adv.device), ft_steps - 1 - k)  # (K',)
+    return adv.float()[:, None] * weights[None, :]  # (B, K')

@@ -1,0 +1,88 @@
+"""Advantages: GAE through the op against a hand case and a looped reference; GRPO; discount; normalise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffpolicy.rl.advantages import (
+    denoise_discount,
+    gae_advantages,
+    gae_loop_reference,
+    grpo_advantages,
+    normalize,
+)
+
+
+def test_gae_hand_computed_case() -> None:
+    # T=3, N=1, gamma=0.5, lam=0.5; the episode ends at t=1, so t=1 does not bootstrap from t=2.
+    r = torch.tensor([[1.0], [2.0], [3.0]])
+    v = torch.tensor([[0.5], [1.0], [2.0]])
+    d = torch.tensor([[0.0], [1.0], [0.0]])
+    last = torch.tensor([4.0])
+    # delta_2 = 3 + 0.5*4 - 2 = 3;   A_2 = 3
+    # delta_1 = 2 + 0     - 1 = 1;   A_1 = 1 (done: nothing from t=2)
+    # delta_0 = 1 + 0.5*1 - 0.5 = 1; A_0 = 1 + 0.25 * 1 = 1.25
+    expected = torch.tensor([[1.25], [1.0], [3.0]])
+    for fn in (gae_advantages, gae_loop_reference):
+        adv, ret = fn(r, v, d, last, 0.5, 0.5)
+        torch.testing.assert_close(adv.float(), expected)
+        torch.testing.assert_close(ret.float(), expected + v)
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (1.0, 1.0), (0.9, 0.0)])
+def test_gae_matches_looped_reference(device, gamma: float, lam: float) -> None:
+    g = torch.Generator().manual_seed(1)
+    T, N = 9, 5
+    r, v = torch.randn(T, N, generator=g), torch.randn(T, N, generator=g)
+    d = (torch.rand(T, N, generator=g) < 0.25).float()
+    last = torch.randn(N, generator=g)
+    adv, ret = gae_advantages(*(x.to(device) for x in (r, v, d, last)), gamma, lam)
+    ref_adv, ref_ret = gae_loop_reference(r, v, d, last, gamma, lam)
+    assert adv.dtype == torch.float32 and adv.shape == (T, N) and adv.device.type == device.type
+    torch.testing.assert_close(adv.cpu().double(), ref_adv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret.cpu().double(), ref_ret, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_casts_inputs_to_float32() -> None:
+    r = torch.ones(2, 2, dtype=torch.float64)
+    adv, _ = gae_advantages(
+        r,
+        torch.zeros(2, 2, dtype=torch.float16),
+        torch.zeros(2, 2, dtype=torch.bool),
+        torch.zeros(2),
+        1.0,
+        1.0,
+    )
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv, torch.tensor([[2.0, 2.0], [1.0, 1.0]]))
+
+
+def test_grpo_is_standardised_within_each_group() -> None:
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 5.0, 5.0, 5.0], [0.0, 10.0, 0.0, 10.0]])
+    adv = grpo_advantages(returns, eps=1e-6)
+    assert adv.shape == (3, 4)
+    for row, r in zip(adv, returns):
+        expected = (r - r.mean()) / (r.std(correction=0) + 1e-6)
+        torch.testing.assert_close(row, expected)
+    torch.testing.assert_close(adv[1], torch.zeros(4))  # identical returns: no signal
+    torch.testing.assert_close(adv.mean(dim=1), torch.zeros(3), atol=1e-6, rtol=0)
+    torch.testing.assert_close(grpo_advantages(torch.tensor([[3.0]])), torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="num_groups"):
+        grpo_advantages(torch.ones(4))
+
+
+def test_normalize() -> None:
+    x = torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=torch.float64)
+    y = normalize(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.mean(), torch.tensor(0.0), atol=1e-6, rtol=0)
+    torch.testing.assert_close(y.std(), torch.tensor(1.0), atol=1e-5, rtol=0)
+
+
+def test_denoise_discount_weights_final_step_one() -> None:
+    adv = torch.tensor([2.0, -1.0])
+    out = denoise_discount(adv, 3, 0.5)
+    torch.testing.assert_close(out, torch.tensor([[0.5, 1.0, 2.0], [-0.25, -0.5, -1.0]]))
+    torch.testing.assert_close(denoise_discount(adv, 4, 1.0), adv[:, None].expand(2, 4))
+    torch.testing.assert_close(denoise_discount(adv, 2, 0.0), torch.tensor([[0.0, 2.0], [0.0, -1.0]]))
