@@ -1,0 +1,293 @@
+"""Scripted experts that act through the environments' own action interfaces (their actions are demos).
+
+API::
+
+    env = gymnasium.make("diffpolicy_envs:MujocoPick-v0")
+    expert = make_expert(env)          # PickExpert or ReachExpert, chosen from the unwrapped env's type
+    obs, info = env.reset(seed=0)
+    action = expert.act(env)           # (Da,) float32 in [-1, 1]; reads privileged state of env.unwrapped
+    evaluate_expert("MujocoPick-v0", n_episodes=100, seed=0, obs_mode="state")  # -> success rate
+
+An expert notices a new episode by itself (the env counts its resets), so ``act`` is all a caller needs;
+``reset()`` exists for callers that want to be explicit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import mujoco
+import numpy as np
+
+from diffpolicy_envs.mujoco_pick import (
+    CUBE_HALF,
+    FINGER_OPEN,
+    MAX_JOINT_DELTA,
+    TRAY_FLOOR_Z,
+    MujocoPickEnv,
+)
+from diffpolicy_envs.obstacle_reach import ObstacleReachEnv
+
+OPEN, CLOSE = -1.0, 1.0
+
+
+def _yaw_rotation(yaw: float) -> np.ndarray:
+    """Tool orientation (3, 3) pointing straight down with the jaw axis at ``yaw`` (rad) in the table plane.
+
+    Columns are the tool frame axes in the base frame: x = approach (down), y = jaw opening direction.
+    """
+    c, s = np.cos(yaw), np.sin(yaw)
+    return np.array([[0.0, c, s], [0.0, s, -c], [-1.0, 0.0, 0.0]])
+
+
+class PickExpert:
+    """Pick-and-place state machine with damped least-squares IK on MuJoCo site Jacobians.
+
+    Phases: approach (above the cube, jaws aligned with its faces) -> descend -> grasp (close, wait) ->
+    lift -> transport (above the tray) -> lower -> release -> retreat. Each step the tool goal of the phase
+    is approached by at most ``step_len`` metres along a straight line; IK (6-D: position and orientation)
+    turns that pose into joint targets, and the action is the joint target change divided by
+    ``MAX_JOINT_DELTA`` (scaled down as a whole vector if any component would exceed 1). If the cube slips
+    out of the gripper the expert starts again from the approach.
+
+    Args:
+        env: a ``MujocoPick-v0`` env (wrapped or not).
+        step_len: largest tool displacement (m) commanded per control step in free space.
+        fine_step_len: largest tool displacement (m) per step when descending onto the cube or the tray.
+        damping: DLS damping lambda (m or rad).
+    """
+
+    def __init__(
+        self, env: gym.Env, step_len: float = 0.016, fine_step_len: float = 0.01, damping: float = 0.03
+    ):
+        u = env.unwrapped
+        if not isinstance(u, MujocoPickEnv):
+            raise ValueError(f"PickExpert needs a MujocoPickEnv, got {type(u).__name__}")
+        self.step_len = step_len
+        self.fine_step_len = fine_step_len
+        self.damping = damping
+        self._scratch = mujoco.MjData(u.model)
+        self._jacp = np.zeros((3, u.model.nv))
+        self._jacr = np.zeros((3, u.model.nv))
+        self._episode = -1
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the current episode; the next ``act`` starts with the approach."""
+        self.phase = "approach"
+        self._counter = 0
+        self._yaw = None
+        self._lift_xy = None
+
+    def act(self, env: gym.Env) -> np.ndarray:
+        """Next action (7,) float32 in [-1, 1] for the current state of ``env``."""
+        u: MujocoPickEnv = env.unwrapped
+        if u.episode_id != self._episode:
+            self._episode = u.episode_id
+            self.reset()
+        cube = u.cube_pos(u.target_id)
+        ee = u.ee_pos()
+        carrying = self.phase in ("lift", "transport", "lower")
+        if carrying and not u.target_grasped() and cube[2] < CUBE_HALF + 0.01:
+            self.reset()  # the cube slipped out and lies on the table: start again
+        if self._yaw is None:
+            self._yaw = self._grasp_yaw(u)
+        grip = OPEN
+        fine = False
+        above = 0.16  # tool height (m) when carrying
+        if self.phase == "approach":
+            goal = cube + np.array([0.0, 0.0, 0.09])
+            if np.linalg.norm(ee - goal) < 0.012 and self._orientation_error(u) < 0.08:
+                self.phase = "descend"
+        if self.phase == "descend":
+            goal = cube + np.array([0.0, 0.0, 0.002])
+            fine = True
+            if np.linalg.norm(ee - goal) < 0.008:
+                self.phase, self._counter = "grasp", 0
+        if self.phase == "grasp":
+            goal, grip, fine = cube + np.array([0.0, 0.0, 0.002]), CLOSE, True
+            self._counter += 1
+            if self._counter > 2 and u.gripper_opening() < 2 * CUBE_HALF + 0.004:
+                self.phase, self._lift_xy = "lift", cube[:2].copy()
+        if self.phase == "lift":
+            goal, grip = np.array([*self._lift_xy, above]), CLOSE
+            if ee[2] > above - 0.02:
+                self.phase = "transport"
+        if self.phase == "transport":
+            goal, grip = np.array([*u.tray_pos[:2], above]), CLOSE
+            if np.linalg.norm(ee - goal) < 0.02:
+                self.phase = "lower"
+        if self.phase == "lower":
+            goal, grip, fine = np.array([*u.tray_pos[:2], TRAY_FLOOR_Z + 0.07]), CLOSE, True
+            if np.linalg.norm(ee - goal) < 0.012:
+                self.phase, self._counter = "release", 0
+        if self.phase == "release":
+            goal, grip = np.array([*u.tray_pos[:2], TRAY_FLOOR_Z + 0.07]), OPEN
+            self._counter += 1
+            if self._counter > 2 and u.gripper_opening() > 2 * FINGER_OPEN - 0.02:
+                self.phase = "retreat"
+        if self.phase == "retreat":
+            goal, grip = np.array([*u.tray_pos[:2], above + 0.04]), OPEN
+
+        q_goal = self._ik(u, goal, _yaw_rotation(self._yaw), self.fine_step_len if fine else self.step_len)
+        dq = (q_goal - u.q_target) / MAX_JOINT_DELTA
+        dq /= max(1.0, float(np.abs(dq).max()))
+        return np.append(dq, grip).astype(np.float32)
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _grasp_yaw(self, u: MujocoPickEnv) -> float:
+        """Jaw yaw (rad) aligned with the target cube's faces, the closest one to the current jaw yaw."""
+        mat = u.data.site_xmat[u.grip_site].reshape(3, 3)
+        current = float(np.arctan2(mat[1, 1], mat[0, 1]))
+        diff = u.cube_yaw(u.target_id) - current
+        diff = (diff + np.pi / 4) % (np.pi / 2) - np.pi / 4
+        return current + diff
+
+    def _orientation_error(self, u: MujocoPickEnv) -> float:
+        mat = u.data.site_xmat[u.grip_site].reshape(3, 3)
+        return float(np.linalg.norm(self._rotation_error(mat, _yaw_rotation(self._yaw))))
+
+    @staticmethod
+    def _rotation_error(mat: np.ndarray, mat_goal: np.ndarray) -> np.ndarray:
+        """Rotation vector (3,) (rad, base frame), small-angle form, that turns ``mat`` toward ``mat_goal``."""
+        return 0.5 * (
+            np.cross(mat[:, 0], mat_goal[:, 0])
+            + np.cross(mat[:, 1], mat_goal[:, 1])
+            + np.cross(mat[:, 2], mat_goal[:, 2])
+        )
+
+    def _ik(self, u: MujocoPickEnv, goal: np.ndarray, rot_goal: np.ndarray, step: float) -> np.ndarray:
+        """Joint targets (6,) rad that move the tool from its pose at ``u.q_target`` toward ``goal``.
+
+        The commanded position is at most ``step`` metres from the tool position at the current joint
+        targets; three damped least-squares iterations on a scratch MjData solve for it.
+        """
+        m, s = u.model, self._scratch
+        q = u.q_target.copy()
+        s.qpos[u.arm_qpos_adr] = q
+        mujoco.mj_kinematics(m, s)
+        start = s.site_xpos[u.grip_site].copy()
+        delta = goal - start
+        dist = np.linalg.norm(delta)
+        target = goal if dist <= step else start + delta * (step / dist)
+        lam2 = self.damping**2
+        for it in range(3):
+            if it > 0:
+                s.qpos[u.arm_qpos_adr] = q
+                mujoco.mj_kinematics(m, s)
+            mujoco.mj_comPos(m, s)
+            mujoco.mj_jacSite(m, s, self._jacp, self._jacr, u.grip_site)
+            err = np.concatenate(
+                [
+                    target - s.site_xpos[u.grip_site],
+                    self._rotation_error(s.site_xmat[u.grip_site].reshape(3, 3), rot_goal),
+                ]
+            )  # (6,): position (m) and rotation (rad) errors
+            jac = np.vstack([self._jacp[:, u.arm_dof_adr], self._jacr[:, u.arm_dof_adr]])  # (6, 6)
+            dq = jac.T @ np.linalg.solve(jac @ jac.T + lam2 * np.eye(6), err)
+            q = np.clip(q + dq, u.joint_low, u.joint_high)
+        return q
+
+
+class ReachExpert:
+    """Expert of ``ObstacleReach-v0``: pass the obstacle on a side drawn per episode, then go to the goal.
+
+    The side (left or right of the line from start to goal, probability 1/2 each) is drawn from the
+    expert's own generator, seeded by ``seed``, once per episode, so demonstrations are bimodal and
+    reproducible. A PD law on a via point beside the obstacle, then on the goal, gives the accelerations.
+
+    Args:
+        env: an ``ObstacleReach-v0`` env (wrapped or not).
+        seed: seed of the side choices.
+    """
+
+    def __init__(self, env: gym.Env, seed: int | None = None):
+        u = env.unwrapped
+        if not isinstance(u, ObstacleReachEnv):
+            raise ValueError(f"ReachExpert needs an ObstacleReachEnv, got {type(u).__name__}")
+        self.rng = np.random.default_rng(seed)
+        self._episode = -1
+        self.side = 1.0
+        self._via_done = False
+
+    def reset(self) -> None:
+        """Draw the side of the next episode."""
+        self.side = float(self.rng.choice([-1.0, 1.0]))
+        self._via_done = False
+
+    def act(self, env: gym.Env) -> np.ndarray:
+        """Next action (2,) float32 in [-1, 1] (acceleration command)."""
+        u: ObstacleReachEnv = env.unwrapped
+        if u.episode_id != self._episode:
+            self._episode = u.episode_id
+            self.reset()
+        pos, vel, goal = u.pos, u.vel, u.goal
+        axis = goal - u.start
+        axis /= np.linalg.norm(axis)
+        normal = np.array([-axis[1], axis[0]])
+        via = u.obstacle_center + self.side * normal * (u.obstacle_radius + u.agent_radius + 0.12)
+        if not self._via_done and (
+            np.linalg.norm(pos - via) < 0.12 or np.dot(pos - u.obstacle_center, axis) > 0.0
+        ):
+            self._via_done = True
+        target = goal if self._via_done else via
+        acc = 3.0 * (target - pos) - 1.5 * vel
+        return np.clip(acc / u.max_accel, -1.0, 1.0).astype(np.float32)
+
+
+def make_expert(env: gym.Env, seed: int | None = None, **kwargs: Any) -> PickExpert | ReachExpert:
+    """The scripted expert of ``env`` (``MujocoPick-v0`` or ``ObstacleReach-v0``, wrapped or not).
+
+    ``seed`` seeds the expert's own random choices (ObstacleReach's side); extra kwargs go to the expert.
+    """
+    u = env.unwrapped
+    if isinstance(u, MujocoPickEnv):
+        return PickExpert(env, **kwargs)
+    if isinstance(u, ObstacleReachEnv):
+        return ReachExpert(env, seed=seed, **kwargs)
+    raise ValueError(f"no scripted expert for {type(u).__name__}; known: MujocoPickEnv, ObstacleReachEnv")
+
+
+def run_episode(env: gym.Env, expert: PickExpert | ReachExpert, seed: int | None = None) -> dict[str, Any]:
+    """Roll out one expert episode; returns ``{"success": bool, "length": int, "return": float}``."""
+    env.reset(seed=seed)
+    total, length, success = 0.0, 0, False
+    while True:
+        _, reward, terminated, truncated, info = env.step(expert.act(env))
+        total += float(reward)
+        length += 1
+        success = success or bool(info.get("is_success", False))
+        if terminated or truncated:
+            return {"success": success, "length": length, "return": total}
+
+
+def evaluate_expert(env_id: str, n_episodes: int = 100, seed: int = 0, **env_kwargs: Any) -> float:
+    """Success rate of the scripted expert over ``n_episodes`` episodes seeded ``seed, seed + 1, ...``.
+
+    ``env_id`` may omit the ``diffpolicy_envs:`` prefix; ``env_kwargs`` go to ``gymnasium.make``.
+    """
+    if ":" not in env_id:
+        env_id = f"diffpolicy_envs:{env_id}"
+    env = gym.make(env_id, **env_kwargs)
+    expert = make_expert(env, seed=seed)
+    try:
+        results = [run_episode(env, expert, seed=seed + i) for i in range(n_episodes)]
+    finally:
+        env.close()
+    return float(np.mean([r["success"] for r in results]))
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="Success rate of a scripted expert.")
+    parser.add_argument("env_id", nargs="?", default="MujocoPick-v0")
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--obs-mode", default=None, help="MujocoPick only: multimodal or state")
+    args = parser.parse_args()
+    kwargs = {} if args.obs_mode is None else {"obs_mode": args.obs_mode}
+    rate = evaluate_expert(args.env_id, args.episodes, args.seed, **kwargs)
+    print(json.dumps({"env_id": args.env_id, "episodes": args.episodes, "success_rate": rate}))
