@@ -9,6 +9,7 @@ intra-op threads (2 by default, this project's CI machine). Options: ``repeats=5
 from __future__ import annotations
 
 import importlib
+import inspect
 import platform
 import sys
 from pathlib import Path
@@ -40,7 +41,14 @@ def _job(name: str):
                 fail(f"benchmark '{name}' is not built yet")
             raise
         torch.set_num_threads(cfg.threads)
-        result = module.run(repeats=cfg.repeats, threads=cfg.threads, **dict(cfg.options))
+        accepted = inspect.signature(module.run).parameters
+        given = {"repeats": cfg.repeats, "threads": cfg.threads, **dict(cfg.options)}
+        unknown = sorted(k for k in given if k not in accepted and k not in ("repeats", "threads"))
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+            fail(f"benchmark '{name}' has no option(s) {unknown}; it takes {sorted(accepted)}")
+        result = module.run(
+            **{k: v for k, v in given.items() if k in accepted or k not in ("repeats", "threads")}
+        )
         return {
             "benchmark": name,
             **result,

@@ -1,0 +1,175 @@
+"""One PPO update over a filled rollout buffer: the minibatch loop that composes the rl/ pieces.
+
+Per minibatch of B decisions: re-encode the stored observations, evaluate the K' stored transitions of each
+chain under the current parameters (exact Gaussian log-probs, executed Te x Da part, averaged), form the PPO
+ratio per (decision, denoising step), and minimise
+
+    policy_loss(clip=ppo|unconditional, normalize=mean|self) + vf_coef * value_loss + reg_coef * regulariser
+
+with the non-finite guard, gradient-norm clipping, the gradient-spike monitor and, across processes, one
+bucketed gradient all-reduce. Log-probs, losses and the value head run in fp32; the encoders and the
+denoiser's body under the runtime's autocast. Stops the epochs early when the approximate KL passes
+``algo.target_kl``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from diffpolicy.config import AlgoConfig
+from diffpolicy.distributed import DistInfo, average_gradients, mean_metrics
+from diffpolicy.rl.advantages import denoise_discount, normalize
+from diffpolicy.rl.buffer import RolloutBuffer
+from diffpolicy.rl.ppo import policy_loss, regularizer, value_loss
+from diffpolicy.rl.stability import GradMonitor, StateSnapshot, nan_guard
+
+OBS_KEYS = ("rgb", "points", "state", "instruction")
+
+
+@dataclass
+class Learner:
+    """Everything the update changes: the policy, the critic, their optimisers and the fp16 grad scaler."""
+
+    policy: nn.Module
+    critic: nn.Module
+    actor_optim: torch.optim.Optimizer
+    critic_optim: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    reference: nn.Module | None = None
+    """Frozen pre-trained policy for the KL regulariser (None without one)."""
+
+    def params(self) -> list[nn.Parameter]:
+        """Trainable parameters of policy and critic, in a fixed order."""
+        return [p for m in (self.policy, self.critic) for p in m.parameters() if p.requires_grad]
+
+
+def batch_obs(mb: dict[str, Tensor], buffer: RolloutBuffer) -> dict[str, Any]:
+    """Minibatch fields (B, ...) -> policy observation with the To = 1 axis (instruction ids -> strings)."""
+    obs: dict[str, Any] = {}
+    for key in OBS_KEYS:
+        if key not in mb:
+            continue
+        if key == "instruction":
+            obs[key] = buffer.decode(mb[key])
+        else:
+            obs[key] = mb[key].unsqueeze(1)  # (B, 1, ...)
+    return obs
+
+
+def ppo_update(
+    learner: Learner,
+    buffer: RolloutBuffer,
+    advantages: Tensor,
+    returns: Tensor,
+    cfg: AlgoConfig,
+    *,
+    clip_eps: Tensor,
+    runtime: Any,
+    info: DistInfo,
+    generator: torch.Generator,
+    monitor: GradMonitor,
+    snapshot: StateSnapshot,
+    logger: Any = None,
+    step: int = 0,
+    use_critic: bool = True,
+) -> dict[str, float]:
+    """Run ``cfg.update_epochs`` epochs of minibatch updates; returns averaged ``losses/*`` metrics.
+
+    Args:
+        advantages: (T, N) per-decision advantages (GAE or group-relative), time-major like the buffer.
+        returns: (T, N) value targets.
+        clip_eps: (K',) clip range per denoising step.
+        use_critic: train the critic (False for GRPO, which needs none).
+    """
+    policy, critic = learner.policy, learner.critic
+    params = learner.params()
+    sums: dict[str, float] = defaultdict(float)
+    count, skipped, epochs_run = 0, 0, 0
+    for _ in range(cfg.update_epochs):
+        epoch_kl, epoch_n = 0.0, 0
+        extra = {"advantages": advantages, "returns": returns}
+        for mb in buffer.minibatches(cfg.minibatch_size, generator, extra=extra):
+            keep = mb["valid"] > 0.5  # (B,)
+            if int(keep.sum()) < 2:
+                continue
+            mb = {k: v[keep] for k, v in mb.items()}
+            obs = batch_obs(mb, buffer)
+            chain, old_logp = mb["chains"], mb["logprobs"]  # (B, K'+1, Ta, Da), (B, K')
+            with runtime.autocast():
+                cond = policy.encode(obs, augment=False)  # (B, cond_dim)
+                new_logp = policy.log_prob(chain, cond=cond).float()  # (B, K') fp32
+            adv = mb["advantages"].float()
+            if cfg.norm_adv:
+                adv = normalize(adv)
+            adv_k = denoise_discount(adv, old_logp.shape[1], cfg.denoise_gamma)  # (B, K')
+            loss, stats = policy_loss(
+                new_logp, old_logp, adv_k, clip_eps, mode=cfg.clip, normalize=cfg.normalize
+            )
+            v_loss = torch.zeros((), device=loss.device)
+            if use_critic:
+                v_loss = value_loss(critic(cond.detach()), mb["returns"])
+                loss = loss + cfg.vf_coef * v_loss
+            reg = torch.zeros((), device=loss.device)
+            if cfg.reg == "kl" and learner.reference is not None and cfg.reg_coef > 0:
+                with runtime.autocast():
+                    mean, std = policy.transition_mean_std(chain, cond)  # (B, K', Ta, Da)
+                with torch.no_grad(), runtime.autocast():
+                    ref_mean, _ = learner.reference.transition_mean_std(chain, learner.reference.encode(obs))
+                reg = regularizer("kl", means=mean.float(), ref_means=ref_mean.float(), stds=std)
+                loss = loss + cfg.reg_coef * reg
+            learner.actor_optim.zero_grad(set_to_none=True)
+            learner.critic_optim.zero_grad(set_to_none=True)
+            learner.scaler.scale(loss).backward()
+            average_gradients(params, info)
+            learner.scaler.unscale_(learner.actor_optim)
+            learner.scaler.unscale_(learner.critic_optim)
+            if not nan_guard(loss, params, logger=logger, step=step):
+                snapshot.restore(step=step)
+                learner.actor_optim.zero_grad(set_to_none=True)
+                learner.critic_optim.zero_grad(set_to_none=True)
+                learner.scaler.update()
+                skipped += 1
+                continue
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            monitor.update(norm, step=step)
+            learner.scaler.step(learner.actor_optim)
+            learner.scaler.step(learner.critic_optim)
+            learner.scaler.update()
+            snapshot.capture()
+            kl = float(stats["approx_kl"])
+            epoch_kl, epoch_n = epoch_kl + kl, epoch_n + 1
+            for name, value in (
+                (
+                    "losses/policy",
+                    float(loss.detach()) - cfg.vf_coef * float(v_loss) - cfg.reg_coef * float(reg),
+                ),
+                ("losses/value", float(v_loss)),
+                ("losses/regularizer", float(reg)),
+                ("losses/approx_kl", kl),
+                ("losses/clipfrac", float(stats["clipfrac"])),
+                ("losses/ratio_max", float(stats["ratio_max"])),
+                ("losses/grad_norm", float(norm)),
+            ):
+                sums[name] += value
+            count += 1
+        epochs_run += 1
+        if (
+            cfg.target_kl > 0
+            and epoch_n
+            and _mean_over_ranks(epoch_kl / epoch_n, info, runtime) > cfg.target_kl
+        ):
+            break
+    out = {k: v / max(count, 1) for k, v in sums.items()}
+    out["losses/epochs"] = float(epochs_run)
+    out["stability/skipped_updates"] = float(skipped)
+    return out
+
+
+def _mean_over_ranks(value: float, info: DistInfo, runtime: Any) -> float:
+    """Early-stopping decisions must agree on every rank."""
+    return mean_metrics({"losses/kl": value}, info, runtime.device)["losses/kl"]
