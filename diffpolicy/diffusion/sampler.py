@@ -1,0 +1,125 @@
+"""DDIM sampling of an action chunk with every fine-tuned step's Gaussian exposed.
+
+:func:`ddim_sample` is the fast loop used by the policy and the benchmark: the FiLM projections of all U-Net
+blocks are computed once per chunk (:meth:`ConditionalUnet1D.film_tables`), every buffer is allocated
+before the loop, and each step writes in place (static shapes, no per-step allocation apart from the
+denoiser's own activations). :func:`ddim_sample_reference` is the plain eager loop (denoiser's ordinary
+forward, out-of-place step) that tests compare it against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from diffpolicy.diffusion.schedule import NoiseSchedule, ddim_step_mean_std
+from diffpolicy.models.unet1d import ConditionalUnet1D
+
+
+@dataclass
+class ChainOutput:
+    """Result of one DDIM run in normalised action units."""
+
+    x0: torch.Tensor
+    """(B, Ta, Da) final sample."""
+    chain: torch.Tensor | None
+    """(B, K'+1, Ta, Da) latents x_{K'} .. x_0 of the fine-tuned steps (None unless asked for)."""
+    means: torch.Tensor | None
+    """(B, K', Ta, Da) mean of each fine-tuned step's Gaussian (None unless the chain was asked for)."""
+    stds: torch.Tensor
+    """(1, K', 1, 1) std of each fine-tuned step's Gaussian (broadcastable to ``means``)."""
+
+
+def _initial(
+    shape: tuple[int, ...],
+    device: torch.device,
+    noise: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    x = torch.empty(shape, device=device, dtype=torch.float32)
+    if noise is not None:
+        return x.copy_(noise)
+    return torch.randn(shape, generator=generator, out=x)
+
+
+def ddim_sample(
+    denoiser: ConditionalUnet1D,
+    schedule: NoiseSchedule,
+    cond: torch.Tensor,
+    horizon: int,
+    *,
+    deterministic: bool = False,
+    return_chain: bool = False,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+    forward_film: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> ChainOutput:
+    """Run the K DDIM steps from x_K = ``noise`` (or N(0, I)) for cond (B, cond_dim).
+
+    Each step k draws x_{k-1} = mean_k + std_k z (z ~ N(0, I) from ``generator``) unless ``deterministic``
+    (then x_{k-1} = mean_k) or std_k is 0 (eta = 0 on a base step). ``forward_film`` replaces
+    ``denoiser.forward_film`` (e.g. a torch.compile'd version). Call under no_grad / inference_mode.
+    """
+    B, Da, K, Kp = cond.shape[0], denoiser.action_dim, schedule.ddim_steps, schedule.ft_steps
+    first = schedule.first_ft_step
+    fwd = forward_film or denoiser.forward_film
+    x = _initial((B, horizon, Da), cond.device, noise, generator)  # (B, Ta, Da)
+    obs_film, step_film = denoiser.film_tables(cond, schedule.timesteps)  # (B, R), (K, R)
+    film = torch.empty_like(obs_film)
+    x0_buf, mean_buf = torch.empty_like(x), torch.empty_like(x)
+    z = None if deterministic else torch.empty_like(x)
+    chain = means = None
+    if return_chain:
+        chain = torch.empty((B, Kp + 1, horizon, Da), device=x.device, dtype=x.dtype)
+        means = torch.empty((B, Kp, horizon, Da), device=x.device, dtype=x.dtype)
+        if first == 0:
+            chain[:, 0].copy_(x)
+    for i in range(K):
+        coefs = schedule.step_coefs(i)
+        torch.add(obs_film, step_film[i], out=film)
+        eps = fwd(x, film)
+        mean, std = ddim_step_mean_std(x, eps, coefs, schedule.clip_sample, out=(x0_buf, mean_buf))
+        if z is None or std == 0.0:
+            x.copy_(mean)
+        else:
+            torch.randn(x.shape, generator=generator, out=z)
+            torch.add(mean, z, alpha=std, out=x)
+        if return_chain:
+            j = i - first
+            if j >= 0:
+                means[:, j].copy_(mean)
+                chain[:, j + 1].copy_(x)
+            elif i + 1 == first:
+                chain[:, 0].copy_(x)
+    return ChainOutput(x0=x, chain=chain, means=means, stds=schedule.std[first:].view(1, Kp, 1, 1))
+
+
+def ddim_sample_reference(
+    denoiser: ConditionalUnet1D,
+    schedule: NoiseSchedule,
+    cond: torch.Tensor,
+    horizon: int,
+    *,
+    deterministic: bool = False,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The plain eager DDIM loop (no precomputation, out-of-place): -> x0 (B, Ta, Da).
+
+    Draws the same random numbers in the same order as :func:`ddim_sample`, so both agree for a fixed
+    ``generator`` / ``noise``.
+    """
+    B, Da = cond.shape[0], denoiser.action_dim
+    x = _initial((B, horizon, Da), cond.device, noise, generator)
+    for i in range(schedule.ddim_steps):
+        t = schedule.timesteps[i].expand(B)
+        eps = denoiser(x, t, cond)
+        coefs = schedule.step_coefs(torch.full((B,), i, device=x.device))
+        mean, std = ddim_step_mean_std(x, eps, coefs, schedule.clip_sample)
+        if deterministic or float(schedule.std[i]) == 0.0:
+            x = mean
+        else:
+            x = mean + std * torch.randn(x.shape, generator=generator, device=x.device)
+    return x

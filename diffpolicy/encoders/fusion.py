@@ -1,0 +1,184 @@
+"""Mid-level fusion of all observation modalities into one conditioning vector (B, cond_dim).
+
+Every present modality becomes tokens of width token_dim (RGB keypoint groups, voxel cells, one state
+token per history step); tokens of history step s get a learned step embedding, and each modality a learned
+type embedding. A learned readout token and all visual + state tokens go through ``fusion_layers``
+pre-norm self-attention blocks (cross-modal mixing); the instruction token then attends to the fused tokens
+(cross-attention, text as query). The readout and text outputs are concatenated and projected to cond_dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from diffpolicy.config import EncoderConfig
+from diffpolicy.encoders.pointcloud import PointCloudEncoder
+from diffpolicy.encoders.rgb import RGBEncoder
+from diffpolicy.encoders.text import TextEncoder
+from diffpolicy.normalizer import MinMaxNormalizer
+
+VISUAL_KEYS = ("rgb", "points", "state")
+"""Token-producing modalities mixed by self-attention, in token order."""
+_PER_STEP_DIMS = {"rgb": 3, "points": 2, "state": 1}
+"""Dimensions of one observation step of each tensor modality (H W 3, N 3, Ds)."""
+
+
+def spec_shape(value: Any) -> tuple[int, ...]:
+    """Shape from an obs_spec entry: a tuple/list, anything with ``.shape`` (gymnasium space, array), or None."""
+    if value is None or isinstance(value, bool):
+        return ()
+    shape = getattr(value, "shape", value)
+    return tuple(int(s) for s in shape) if shape is not None else ()
+
+
+class StateEncoder(nn.Module):
+    """Proprioception MLP: (M, Ds) normalised -> (M, 1, token_dim)."""
+
+    def __init__(self, state_dim: int, hidden: int, token_dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(state_dim, hidden), nn.Mish(), nn.Linear(hidden, token_dim))
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        return self.net(state).unsqueeze(1)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with separate query / key-value inputs: (B, Lq, D), (B, Lk, D) -> (B, Lq, D)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        B, Lq, D = q.shape
+        h = self.heads
+        qh = self.q(q).view(B, Lq, h, D // h).transpose(1, 2)  # (B, h, Lq, D/h)
+        k, v = self.kv(kv).view(B, kv.shape[1], 2, h, D // h).permute(2, 0, 3, 1, 4)  # 2 x (B, h, Lk, D/h)
+        o = F.scaled_dot_product_attention(qh, k, v)  # (B, h, Lq, D/h)
+        return self.out(o.transpose(1, 2).reshape(B, Lq, D))
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm transformer block; self-attention when ``kv`` is None, else cross-attention to ``kv``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm_q = nn.LayerNorm(dim)
+        self.norm_kv = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm_mlp = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor | None = None) -> torch.Tensor:
+        q = self.norm_q(x)
+        x = x + self.attn(q, q if kv is None else self.norm_kv(kv))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class ObservationEncoder(nn.Module):
+    """Observation dict -> cond (B, cond_dim).
+
+    obs["rgb"] (B, To, H, W, 3) uint8, obs["points"] (B, To, N, 3) float32 (m, robot base frame),
+    obs["state"] (B, To, Ds) float32 (raw units; normalised here), obs["instruction"] list of B strings.
+    The modalities used are those present in ``obs_spec`` (key -> per-step shape; for ``instruction`` any
+    value) and enabled in ``cfg``. A missing To axis is accepted and read as To = 1.
+    """
+
+    def __init__(
+        self,
+        cfg: EncoderConfig,
+        obs_spec: Mapping[str, Any],
+        n_obs_steps: int,
+        cond_dim: int,
+        *,
+        text_backend: str = "minilm",
+    ) -> None:
+        super().__init__()
+        D = cfg.token_dim
+        self.grad_checkpointing = False
+        """Recompute encoder / fusion activations in backward (training with grad only)."""
+        self.n_obs_steps = n_obs_steps
+        self.modalities: list[str] = []
+        self.encoders = nn.ModuleDict()
+        if "rgb" in obs_spec and cfg.use_rgb:
+            self.encoders["rgb"] = RGBEncoder(cfg.rgb_channels, cfg.rgb_keypoints, D, cfg.random_shift)
+        if "points" in obs_spec and cfg.use_points:
+            self.encoders["points"] = PointCloudEncoder(
+                cfg.voxel_channels, cfg.voxel_grid, cfg.workspace_low, cfg.workspace_high, D
+            )
+        self.state_dim = 0
+        if "state" in obs_spec:
+            self.state_dim = spec_shape(obs_spec["state"])[-1]
+            self.encoders["state"] = StateEncoder(self.state_dim, cfg.state_hidden, D)
+            self.state_normalizer = MinMaxNormalizer(self.state_dim)
+        self.use_text = "instruction" in obs_spec and cfg.use_text
+        if self.use_text:
+            self.text = TextEncoder(D, backend=text_backend)
+            self.cross = AttentionBlock(D, cfg.fusion_heads)
+        if not self.encoders and not self.use_text:
+            raise ValueError(f"obs_spec {sorted(obs_spec)} has no modality enabled by policy.encoder.use_*")
+        self.modalities = [k for k in VISUAL_KEYS if k in self.encoders]
+        self.step_embed = nn.Parameter(torch.zeros(n_obs_steps, D))
+        self.type_embed = nn.ParameterDict({k: nn.Parameter(torch.zeros(D)) for k in self.modalities})
+        self.readout = nn.Parameter(torch.randn(D) * 0.02)
+        self.layers = nn.ModuleList(AttentionBlock(D, cfg.fusion_heads) for _ in range(cfg.fusion_layers))
+        out_in = 2 * D if self.use_text else D
+        self.head = nn.Sequential(nn.LayerNorm(out_in), nn.Linear(out_in, cond_dim))
+
+    def _ckpt(self, fn: Any, *args: Any) -> torch.Tensor:
+        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def _batch(self, obs: Mapping[str, Any]) -> int:
+        missing = [k for k in self.modalities if k not in obs]
+        if missing or (self.use_text and "instruction" not in obs):
+            raise KeyError(f"observation lacks {missing or ['instruction']} that this policy was built with")
+        return obs[self.modalities[0]].shape[0] if self.modalities else len(obs["instruction"])
+
+    def forward(
+        self, obs: Mapping[str, Any], augment: bool = False, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        device = self.readout.device
+        B = self._batch(obs)
+        tokens = []
+        for k in self.modalities:
+            x = torch.as_tensor(obs[k], device=device)
+            if x.dim() == _PER_STEP_DIMS[k] + 1:
+                x = x.unsqueeze(1)  # (B, 1, ...) when the To axis is missing
+            To = x.shape[1]
+            if To > self.n_obs_steps:
+                raise ValueError(
+                    f"obs[{k!r}] has To={To} steps but the policy keeps n_obs_steps={self.n_obs_steps}"
+                )
+            flat = x.reshape(B * To, *x.shape[2:])  # (B To, ...)
+            if k == "state":
+                t = self._ckpt(self.encoders[k], self.state_normalizer.normalize(flat.float()))
+            elif k == "rgb":
+                enc = self.encoders[k]  # augmentation stays outside the recomputed part
+                t = self._ckpt(enc.tokens, enc.preprocess(flat, augment, generator))
+            else:
+                t = self._ckpt(self.encoders[k], flat)
+            t = t.view(B, To, -1, t.shape[-1])  # (B, To, n_k, D)
+            t = t + self.step_embed[self.n_obs_steps - To :, None, :] + self.type_embed[k]
+            tokens.append(t.flatten(1, 2))  # (B, To n_k, D)
+        seq = torch.cat([self.readout.expand(B, 1, -1), *tokens], dim=1)  # (B, 1 + L, D)
+        for layer in self.layers:
+            seq = self._ckpt(layer, seq)
+        out = seq[:, 0]  # (B, D)
+        if self.use_text:
+            instr = obs["instruction"]
+            instr = [str(s) for s in (instr.tolist() if isinstance(instr, np.ndarray) else instr)]
+            q = self.text(instr).to(seq.dtype)  # (B, 1, D)
+            out = torch.cat([out, self._ckpt(self.cross, q, seq)[:, 0]], dim=-1)  # (B, 2 D)
+        return self.head(out)
