@@ -1,0 +1,162 @@
+"""ONNX export of the whole DDIM sampler: onnxruntime matches PyTorch to 1e-4 for the same noise."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+from diffpolicy import checkpoint  # noqa: E402
+from diffpolicy.config import EncoderConfig, PolicyConfig  # noqa: E402
+from diffpolicy.export import (  # noqa: E402
+    ExportConfig,
+    SamplerGraph,
+    check_parity,
+    export_onnx,
+    parity_inputs,
+)
+from diffpolicy.policy import make_policy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ATOL = 1e-4
+
+
+def _tiny_cfg(**over) -> PolicyConfig:
+    enc = EncoderConfig(
+        token_dim=16,
+        fusion_heads=2,
+        state_hidden=16,
+        rgb_channels=[8, 8],
+        rgb_keypoints=8,
+        voxel_grid=8,
+        voxel_channels=[8, 8],
+    )
+    base = dict(
+        down_dims=[8, 16],
+        n_groups=4,
+        cond_dim=16,
+        horizon=8,
+        n_action_steps=4,
+        ddim_steps=3,
+        ft_steps=2,
+        train_timesteps=20,
+        step_embed_dim=16,
+        kernel_size=3,
+        encoder=enc,
+    )
+    return PolicyConfig(**{**base, **over})
+
+
+def _policy(cfg: PolicyConfig, shapes: dict) -> torch.nn.Module:
+    policy = make_policy(cfg, shapes, 3, text_backend="hash")
+    policy.fit_normalizers(actions=torch.randn(64, 3) * 2 + 1, state=torch.randn(64, 5))
+    return policy.eval()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_multimodal_sampler_matches_pytorch(tmp_path):
+    shapes = {"rgb": [16, 16, 3], "points": [64, 3], "state": [5], "instruction": None}
+    policy = _policy(_tiny_cfg(n_obs_steps=2), shapes)
+    path = tmp_path / "policy.onnx"
+    graph, spec = export_onnx(policy, shapes, path, batch_size=2)
+    onnx.checker.check_model(str(path))
+    names = [i["name"] for i in spec["inputs"]]
+    assert names == ["rgb", "points", "state", "instruction_embedding", "noise", "step_noise"]
+    rgb = {"name": "rgb", "shape": [2, 2, 16, 16, 3], "dtype": "uint8"}  # (B, To, H, W, 3)
+    assert spec["inputs"][0] == rgb
+    assert spec["inputs"][-1]["shape"] == [2, 3, 8, 3]  # (B, S, Ta, Da): every step is stochastic (eta = 1)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == names
+    assert [i.shape for i in session.get_inputs()] == [i["shape"] for i in spec["inputs"]]
+    parity = check_parity(graph, path, spec, seed=3)
+    assert parity["max_abs_err"] <= ATOL
+
+    # Same inputs through the ONNX graph and the traced module, different noise -> different actions.
+    feed, _, _ = parity_inputs(graph, spec, seed=4)
+    a = session.run(["actions"], feed)[0]
+    feed["step_noise"] = feed["step_noise"] + 1.0
+    assert np.abs(session.run(["actions"], feed)[0] - a).max() > 1e-3
+
+
+def test_deterministic_export_has_no_step_noise_and_dynamic_batch(tmp_path):
+    shapes = {"state": [5], "instruction": None}
+    policy = _policy(_tiny_cfg(), shapes)
+    path = tmp_path / "det.onnx"
+    graph, spec = export_onnx(policy, shapes, path, batch_size=1, deterministic=True, dynamic_batch=True)
+    assert [i["name"] for i in spec["inputs"]] == ["state", "instruction_embedding", "noise"]
+    spec3 = {**spec, "inputs": [{**i, "shape": [3, *i["shape"][1:]]} for i in spec["inputs"]]}
+    feed, obs, generator = parity_inputs(graph, spec3, seed=5)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = session.run(["actions"], feed)[0]  # B = 3 through a graph traced at B = 1
+    ref = policy.sample(obs, deterministic=True, generator=generator).actions.numpy()
+    assert out.shape == (3, 8, 3) and np.abs(out - ref).max() <= ATOL
+
+
+def test_eta_zero_base_steps_take_their_mean():
+    policy = _policy(_tiny_cfg(eta=0.0, ddim_steps=4, ft_steps=2), {"state": [5]})
+    graph = SamplerGraph(policy, {"state": [5]})
+    assert graph.stochastic_steps == [2, 3]  # only the fine-tuned steps have std >= min_std
+    assert graph.input_names == ["state", "noise", "step_noise"]
+
+
+def test_gaussian_policy_is_refused():
+    policy = make_policy(_tiny_cfg(kind="gaussian"), {"state": [5]}, 3, text_backend="hash")
+    with pytest.raises(ValueError, match="only diffusion policies"):
+        SamplerGraph(policy, {"state": [5]})
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="checkpoint is required"):
+        ExportConfig()
+    with pytest.raises(ValueError, match="opset=9"):
+        ExportConfig(checkpoint="x", opset=9)
+
+
+def test_export_entry_point(tmp_path):
+    shapes = {"state": [5], "instruction": None}
+    cfg = _tiny_cfg()
+    policy = _policy(cfg, shapes)
+    ckpt = checkpoint.save(
+        tmp_path / "ckpt",
+        7,
+        {"policy": policy.state_dict()},
+        config={"policy": dataclasses.asdict(cfg)},
+        extra={"obs_spec": shapes, "action_dim": 3},
+    )
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "diffpolicy.export", f"checkpoint={ckpt}", "batch_size=2", "text_backend=hash",
+        f"hydra.run.dir={run}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["max_abs_err"] <= ATOL and Path(summary["onnx"]) == run / "policy.onnx"
+    meta = json.loads((run / "policy.json").read_text())
+    assert meta["step"] == 7 and meta["ddim_steps"] == 3 and meta["outputs"][0]["shape"] == [2, 8, 3]
+    session = ort.InferenceSession(str(run / "policy.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == [i["name"] for i in meta["inputs"]]
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "diffpolicy.export", f"checkpoint={tmp_path / 'no'}", f"hydra.run.dir={run}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("error: no checkpoint")
