@@ -159,3 +159,36 @@ def broadcast_flag(flag: bool, info: DistInfo, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
     dist.broadcast(t, src=0)
     return bool(t.item())
+
+
+def average_gradients(params: list[torch.nn.Parameter], info: DistInfo) -> None:
+    """Average ``.grad`` of ``params`` over ranks with one bucketed all-reduce (no-op in one process).
+
+    Equivalent to DistributedDataParallel's reducer for modules whose loss is not computed by ``forward``
+    (the PPO loss calls ``policy.log_prob``): gradients are flattened into one buffer, summed, divided by the
+    world size and copied back. Parameters without a gradient contribute zeros, so every rank sends the same
+    layout.
+    """
+    if not info.enabled:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= info.world_size
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        if p.grad is None:
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+        else:
+            p.grad.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+
+
+def broadcast_parameters(modules: list[torch.nn.Module], info: DistInfo) -> None:
+    """Make every rank start from rank 0's parameters and buffers."""
+    if not info.enabled:
+        return
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=0)

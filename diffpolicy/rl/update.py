@@ -146,10 +146,12 @@ def ppo_update(
             for name, value in (
                 (
                     "losses/policy",
-                    float(loss.detach()) - cfg.vf_coef * float(v_loss) - cfg.reg_coef * float(reg),
+                    float(loss.detach())
+                    - cfg.vf_coef * float(v_loss.detach())
+                    - cfg.reg_coef * float(reg.detach()),
                 ),
-                ("losses/value", float(v_loss)),
-                ("losses/regularizer", float(reg)),
+                ("losses/value", float(v_loss.detach())),
+                ("losses/regularizer", float(reg.detach())),
                 ("losses/approx_kl", kl),
                 ("losses/clipfrac", float(stats["clipfrac"])),
                 ("losses/ratio_max", float(stats["ratio_max"])),

@@ -1,0 +1,200 @@
+"""Save and load a policy as a self-describing checkpoint (the one format every entry point reads).
+
+A policy checkpoint is a :mod:`diffpolicy.checkpoint` directory whose
+
+- ``state["policy"]`` is the policy's ``state_dict`` (normalisers included, the frozen MiniLM excluded),
+  next to any other named trees the caller adds (optimiser, EMA, RNG states);
+- ``config["env"]`` / ``config["policy"]`` are the :class:`~diffpolicy.config.EnvConfig` and
+  :class:`~diffpolicy.config.PolicyConfig` fields as plain containers;
+- ``extra["obs_spec"]`` maps each observation key to its per-step shape (``instruction`` -> ``[]``) and
+  ``extra["action_dim"]`` is Da.
+
+:func:`load_policy` rebuilds both dataclasses (re-running their validation), the policy with
+:func:`~diffpolicy.policy.make_policy` and its weights with :func:`~diffpolicy.checkpoint.load_state`, which
+checks every key and shape first. Anything that does not fit raises :class:`CheckpointError` in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffpolicy import checkpoint
+from diffpolicy.checkpoint import Checkpoint, CheckpointError
+from diffpolicy.config import EncoderConfig, EnvConfig, PolicyConfig
+
+
+def save_policy(
+    root: str | Path,
+    step: int,
+    policy: Any,
+    *,
+    env_cfg: EnvConfig,
+    policy_cfg: PolicyConfig,
+    obs_spec: dict[str, list[int]] | None = None,
+    extra_state: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    keep: int = 3,
+) -> Path:
+    """Write ``policy`` (and optional extra state) as checkpoint ``step`` under ``root``; returns its directory.
+
+    Args:
+        root: checkpoint root (``latest`` points at the newest complete checkpoint).
+        step: step number naming the checkpoint.
+        policy: a ``PolicyBase`` (diffusion or Gaussian).
+        env_cfg: the environment it was trained on.
+        policy_cfg: the configuration it was built from.
+        obs_spec: modality -> per-step shape; defaults to ``policy.obs_spec`` (set by :func:`build_policy`)
+            or, failing that, the spaces of ``env_cfg``'s environment.
+        extra_state: more named trees (``{"optim": ..., "ema": ...}``), stored beside ``"policy"``.
+        metrics: metrics at this step (stored in ``meta.json``).
+        extra: more JSON-able description (cache keys, seeds); ``obs_spec`` / ``action_dim`` are added.
+        keep: newest checkpoints kept under ``root`` (0 keeps all).
+    """
+    extra_state = dict(extra_state or {})
+    if "policy" in extra_state:
+        raise ValueError(
+            "extra_state must not contain 'policy'; the policy weights are stored under that name"
+        )
+    spec = obs_spec if obs_spec is not None else policy_obs_spec(policy, env_cfg)
+    return checkpoint.save(
+        root,
+        step,
+        {"policy": policy.state_dict(), **extra_state},
+        config={"env": asdict(env_cfg), "policy": asdict(policy_cfg)},
+        metrics=metrics,
+        extra={
+            "obs_spec": spec,
+            "action_dim": int(policy.action_dim),
+            "text_backend": text_backend_of(policy),
+            **(extra or {}),
+        },
+        keep=keep,
+    )
+
+
+def text_backend_of(policy: Any) -> str:
+    """Instruction embedder a policy uses (``minilm`` | ``hash``; ``minilm`` when it reads no text)."""
+    text = getattr(policy.obs_encoder, "text", None)
+    return str(getattr(text, "backend_name", "minilm"))
+
+
+def env_spec(env_cfg: EnvConfig) -> tuple[dict[str, list[int]], int]:
+    """(obs_spec, Da) of ``env_cfg``'s environment, read from the spaces of one freshly built instance."""
+    from diffpolicy.rollout import env_kwargs, obs_spec
+    from diffpolicy_envs.adapters import make_env
+
+    env = make_env(env_cfg.id, **env_kwargs(env_cfg, 1))
+    try:
+        return obs_spec(env.observation_space), int(env.action_space.shape[-1])
+    finally:
+        env.close()
+
+
+def build_policy(
+    policy_cfg: PolicyConfig,
+    obs_spec: dict[str, list[int]],
+    action_dim: int,
+    *,
+    text_backend: str = "minilm",
+) -> Any:
+    """``make_policy`` that also records ``obs_spec`` on the policy (``policy.obs_spec``) for saving."""
+    from diffpolicy.policy import make_policy
+
+    policy = make_policy(policy_cfg, obs_spec, action_dim, text_backend=text_backend)
+    policy.obs_spec = {k: [] if k == "instruction" else [int(s) for s in v] for k, v in obs_spec.items()}
+    return policy
+
+
+def policy_obs_spec(policy: Any, env_cfg: EnvConfig | None = None) -> dict[str, list[int]]:
+    """The obs_spec a policy was built with: ``policy.obs_spec`` if recorded, else read from ``env_cfg``."""
+    spec = getattr(policy, "obs_spec", None)
+    if spec is not None:
+        return dict(spec)
+    if env_cfg is None:
+        raise ValueError(
+            "the policy does not record its obs_spec; pass obs_spec= or build it with build_policy"
+        )
+    return env_spec(env_cfg)[0]
+
+
+def _dataclass_from(cls: type, raw: Any, what: str, path: Path) -> Any:
+    """Plain dict -> ``cls`` with exactly its fields (CheckpointError naming the odd fields otherwise)."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"checkpoint {path}: config['{what}'] is not a mapping")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint {path}: config['{what}'] has unknown fields {unknown} (written by other code?)"
+        )
+    missing = sorted(fields - set(raw))
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path}: config['{what}'] lacks fields {missing} (written by older code?)"
+        )
+    values = dict(raw)
+    if cls is PolicyConfig:
+        values["encoder"] = _dataclass_from(EncoderConfig, raw["encoder"], f"{what}.encoder", path)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: config['{what}'] is invalid ({exc})") from None
+
+
+def configs_from(ckpt: Checkpoint) -> tuple[EnvConfig, PolicyConfig]:
+    """The EnvConfig and PolicyConfig a checkpoint was written with (validated again)."""
+    for key in ("env", "policy"):
+        if key not in ckpt.config:
+            raise CheckpointError(f"checkpoint {ckpt.path} lacks config['{key}'] (not a policy checkpoint?)")
+    env_cfg = _dataclass_from(EnvConfig, ckpt.config["env"], "env", ckpt.path)
+    policy_cfg = _dataclass_from(PolicyConfig, ckpt.config["policy"], "policy", ckpt.path)
+    return env_cfg, policy_cfg
+
+
+def load_policy(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    env_overrides: dict[str, Any] | None = None,
+    text_backend: str | None = None,
+) -> tuple[Any, EnvConfig, Checkpoint]:
+    """Rebuild the policy of a checkpoint (directory or root with ``latest``) on ``device``, in eval mode.
+
+    Args:
+        path: checkpoint directory, or a root whose ``latest`` pointer names one.
+        device: where to put the policy.
+        env_overrides: EnvConfig fields to change (e.g. ``{"num_envs": 8}``); validated again.
+        text_backend: instruction embedder (``minilm`` | ``hash``); default: the one the checkpoint was
+            trained with (``extra["text_backend"]``), else ``minilm``.
+
+    Returns:
+        ``(policy, env_cfg, ckpt)``: the policy with the checkpoint's weights, the environment it was
+        trained on (with the overrides applied) and the loaded checkpoint (other state, metrics, extra).
+
+    Raises:
+        CheckpointError: missing / corrupt checkpoint, unknown or missing config fields, or weights that do
+            not match the rebuilt policy (nothing is modified in that case).
+    """
+    ckpt = checkpoint.load(path)
+    if "policy" not in ckpt.state:
+        raise CheckpointError(f"checkpoint {ckpt.path} holds no 'policy' weights (has {sorted(ckpt.state)})")
+    for key in ("obs_spec", "action_dim"):
+        if key not in ckpt.extra:
+            raise CheckpointError(f"checkpoint {ckpt.path} lacks extra['{key}'] (not a policy checkpoint?)")
+    env_cfg, policy_cfg = configs_from(ckpt)
+    if env_overrides:
+        unknown = sorted(set(env_overrides) - {f.name for f in dataclasses.fields(EnvConfig)})
+        if unknown:
+            raise ValueError(f"env_overrides has unknown EnvConfig fields {unknown}")
+        env_cfg = dataclasses.replace(env_cfg, **env_overrides)
+    spec = {k: [] if k == "instruction" else list(v) for k, v in dict(ckpt.extra["obs_spec"]).items()}
+    backend = text_backend or str(ckpt.extra.get("text_backend", "minilm"))
+    policy = build_policy(policy_cfg, spec, int(ckpt.extra["action_dim"]), text_backend=backend)
+    checkpoint.load_state(policy, ckpt.state["policy"], name="policy")
+    return policy.to(device).eval(), env_cfg, ckpt
