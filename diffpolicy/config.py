@@ -273,6 +273,9 @@ class AlgoConfig:
     """EMA decay of the behaviour-cloning weights."""
     n_demos: int = 100
     """Demonstration episodes collected for behaviour cloning."""
+    finetune_encoders: bool = False
+    """PPO also updates the observation encoders (re-encodes every minibatch: several times slower on a CPU);
+    when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
 
     def __post_init__(self) -> None:
         _choice("algo.clip", self.clip, ("ppo", "unconditional"))

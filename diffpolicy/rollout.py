@@ -362,6 +362,7 @@ def collect_rollout(
             rewards=torch.from_numpy(reward.astype(np.float32)),
             dones=torch.from_numpy(done.astype(np.float32)),
             valid=torch.from_numpy(valid.astype(np.float32)),
+            **({"cond": out.cond} if "cond" in buffer.fields else {}),
         )
         ep_return += np.asarray(info.get("episode_reward", reward))
         succ = np.asarray(info["is_success"], dtype=bool)

@@ -78,7 +78,7 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, logger: Logger
             path = pretrained_checkpoint(cfg, rt, None, train_if_missing=False)
     policy, _, _ = load_policy(path, rt.device)
     policy.cfg.compile = cfg.policy.compile
-    policy.set_freeze_encoders(cfg.policy.freeze_encoders)
+    policy.set_freeze_encoders(cfg.policy.freeze_encoders or not cfg.algo.finetune_encoders)
     return policy.train(), path
 
 
@@ -143,6 +143,7 @@ def buffer_specs(policy: Any, cfg: TrainConfig) -> dict[str, Any]:
     }
     specs = ppo_specs(obs, ft_steps=policy.ft_steps, horizon=policy.horizon, action_dim=policy.action_dim)
     specs["valid"] = ((), torch.float32)
+    specs["cond"] = ((cfg.policy.cond_dim,), torch.float32)  # reused by the update when encoders are frozen
     return specs
 
 

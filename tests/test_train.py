@@ -72,47 +72,62 @@ def _summary(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_tiny_run_end_to_end_then_resume_is_exact(tmp_path: Path, init_ckpt: Path) -> None:
-    full = _train(tmp_path / "full", init_ckpt)
-    assert full.returncode == 0, full.stderr[-3000:]
-    summary = _summary(full.stdout)
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory: pytest.TempPathFactory, init_ckpt: Path) -> tuple[Path, dict]:
+    """One uninterrupted tiny run through the command line: (run directory, summary)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    out = _train(run_dir, init_ckpt)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir, _summary(out.stdout)
+
+
+def test_tiny_run_end_to_end(reference_run: tuple[Path, dict]) -> None:
+    run_dir, summary = reference_run
     for key in ("bc_success_rate", "ppo_success_rate", "env_steps", "wall_time_s"):
         assert key in summary
     assert summary["env_steps"] > 0
-    rows = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    rows = read_metrics(run_dir / "metrics.jsonl")
     losses = [r["losses/policy"] for r in rows if "losses/policy" in r]
     assert len(losses) == 3 and all(v is not None for v in losses)
-    assert (tmp_path / "full" / "summary.json").is_file()
-    assert list((tmp_path / "full" / "tb").glob("events.*"))
-    assert checkpoint.load(tmp_path / "full" / "checkpoints").step == 3
+    assert (run_dir / "summary.json").is_file()
+    assert list((run_dir / "tb").glob("events.*"))
+    assert checkpoint.load(run_dir / "checkpoints").step == 3
 
-    # interrupted after 2 iterations (a clean stop), then resumed to 3
-    part = tmp_path / "part"
-    first = _train(part, init_ckpt, "algo.iterations=2")
+
+def test_resume_after_a_stop_is_exact(
+    tmp_path: Path, init_ckpt: Path, reference_run: tuple[Path, dict]
+) -> None:
+    ref_dir, summary = reference_run
+    first = _train(tmp_path, init_ckpt, "algo.iterations=2")  # stops after 2 of the 3 iterations
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _train(part, init_ckpt, "resume=true")
+    resumed = _train(tmp_path, init_ckpt, "resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = _summary(resumed.stdout)
     for key in ("bc_success_rate", "ppo_success_rate", "env_steps"):
         assert again[key] == summary[key], key
-    a = checkpoint.load(tmp_path / "full" / "checkpoints").state["policy"]
-    b = checkpoint.load(part / "checkpoints").state["policy"]
+    a = checkpoint.load(ref_dir / "checkpoints").state["policy"]
+    b = checkpoint.load(tmp_path / "checkpoints").state["policy"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "losses/policy" in r]
+    assert steps == sorted(set(steps)) and len(steps) == 3  # no duplicated iterations after the resume
 
 
-def test_sigkill_mid_run_then_resume_matches(tmp_path: Path, init_ckpt: Path) -> None:
-    ref = _train(tmp_path / "ref", init_ckpt)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    run = tmp_path / "killed"
-    proc = _train(run, init_ckpt, wait=False)
+def test_sigkill_mid_run_then_resume_matches(
+    tmp_path: Path, init_ckpt: Path, reference_run: tuple[Path, dict]
+) -> None:
+    proc = _train(tmp_path, init_ckpt, wait=False)
     deadline = time.monotonic() + 240
-    while not checkpoint.exists(run / "checkpoints") and time.monotonic() < deadline and proc.poll() is None:
+    while (
+        not checkpoint.exists(tmp_path / "checkpoints")
+        and time.monotonic() < deadline
+        and proc.poll() is None
+    ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    resumed = _train(run, init_ckpt, "resume=true")
+    resumed = _train(tmp_path, init_ckpt, "resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    got, want = _summary(resumed.stdout), _summary(ref.stdout)
+    got, want = _summary(resumed.stdout), reference_run[1]
     for key in ("bc_success_rate", "ppo_success_rate", "env_steps"):
         assert got[key] == want[key], key
 
@@ -123,7 +138,7 @@ def test_sigkill_mid_run_then_resume_matches(tmp_path: Path, init_ckpt: Path) ->
         ["algo=grpo", "algo.group_size=2", "algo.n_steps=6"],
         ["algo.clip=unconditional", "algo.normalize=self"],
         ["algo.reg=kl", "algo.reg_coef=0.1", "algo.denoise_gamma=0.9", "algo.clip_eps_final=0.05"],
-        ["device.precision=bf16"],
+        ["device.precision=bf16", "algo.finetune_encoders=true"],
     ],
     ids=["grpo", "stabledrl", "kl-reg", "bf16"],
 )

@@ -101,7 +101,10 @@ def ppo_update(
             obs = batch_obs(mb, buffer)
             chain, old_logp = mb["chains"], mb["logprobs"]  # (B, K'+1, Ta, Da), (B, K')
             with runtime.autocast():
-                cond = policy.encode(obs, augment=False)  # (B, cond_dim)
+                if getattr(policy, "encoders_frozen", False) and "cond" in mb:
+                    cond = mb["cond"]  # (B, cond_dim) stored at rollout time: frozen encoders give the same
+                else:
+                    cond = policy.encode(obs, augment=False)  # (B, cond_dim)
                 new_logp = policy.log_prob(chain, cond=cond).float()  # (B, K') fp32
             adv = mb["advantages"].float()
             if cfg.norm_adv:
