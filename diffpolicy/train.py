@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,10 @@ def main(cfg: TrainConfig, run_dir: Path) -> dict:
     if cfg.algo.advantage == "grpo" and cfg.env.num_envs % cfg.algo.group_size:
         raise ValueError(f"env.num_envs={cfg.env.num_envs} must be a multiple of algo.group_size")
     with process_group(cfg.dist, rt.dist_backend, rt.device) as info:
+        if rt.type == "cpu" and cfg.device.threads == 0 and info.world_size > 1:
+            # ranks on one host share its cores; oversubscribed OpenMP threads spin against each other
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         logger = Logger(run_dir, rank=info.rank, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
         try:
             summary, _ = fine_tune(cfg, run_dir, rt, info, logger, start)
@@ -222,6 +227,7 @@ def fine_tune(
     buffer = RolloutBuffer(algo.n_steps, cfg.env.num_envs, buffer_specs(policy, cfg), device)
     clip_eps = clip_schedule(algo.clip_eps, algo.clip_eps_final, policy.ft_steps, device)
     grpo = algo.advantage == "grpo"
+    window = [0.0, 0.0]  # successes and episodes since the last checkpoint (a restart begins a new window)
     try:
         iterations = logger.progress(
             range(first_it, algo.iterations), total=algo.iterations - first_it, desc="ppo"
@@ -248,6 +254,8 @@ def fine_tune(
             )
             env_steps += int(counts["n"])
             rollout_success = counts["ok"] / counts["ep"] if counts["ep"] else float("nan")
+            window[0] += counts["ok"]
+            window[1] += counts["ep"]
             metrics = mean_metrics(losses, info, device)
             metrics.update({
                 "rollout/success_rate": rollout_success,
@@ -262,7 +270,11 @@ def fine_tune(
             if (it + 1) % cfg.log.every == 0 or it + 1 == algo.iterations:
                 logger.log(metrics, step=env_steps)
             if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == algo.iterations:
-                rollback = guard.update(rollout_success, it + 1).rollback if info.is_main else False
+                # the guard judges the training episodes since the last checkpoint (none ended: no verdict)
+                rollback = False
+                if info.is_main and window[1] > 0:
+                    rollback = guard.update(window[0] / window[1], it + 1).rollback
+                window = [0.0, 0.0]
                 if broadcast_flag(rollback, info, device) and checkpoint.exists(stable_root):
                     restore_stable(stable_root, learner, rt, logger, env_steps)
                 if info.is_main:
