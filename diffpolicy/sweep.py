@@ -46,11 +46,17 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of ``rows`` (columns in first-seen order; floats with 4 significant digits)."""
+def table(rows: list[dict[str, Any]], overrides: set[str] | None = None) -> str:
+    """Markdown table of ``rows`` (columns in first-seen order; floats with 4 significant digits).
+
+    Override columns (``overrides``) whose value is the same in every row are left out: the table shows
+    what the sweep varied, then the results.
+    """
     cols: list[str] = []
     for row in rows:
         cols += [k for k in row if k not in cols and not isinstance(row[k], dict | list)]
+    if overrides and len(rows) > 1:
+        cols = [c for c in cols if c not in overrides or len({str(r.get(c)) for r in rows}) > 1]
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
@@ -76,7 +82,12 @@ def cli(argv: list[str]) -> None:
             raise FileNotFoundError(f"no Hydra job directories under {sweep_dir}")
     except FileNotFoundError as exc:
         fail(str(exc))
-    print(table(rows))
+    varied = {
+        k
+        for job in sorted({p.parent.parent for p in sweep_dir.rglob(".hydra/overrides.yaml")})
+        for k in _overrides(job)
+    }
+    print(table(rows, varied))
     print(summary_line({"sweep": str(sweep_dir), "jobs": rows}))
 
 

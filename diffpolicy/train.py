@@ -65,18 +65,23 @@ def env_seeds(cfg: TrainConfig, base: int) -> list[int]:
     return [base + i for i in range(n)]
 
 
-def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, logger: Logger) -> tuple[Any, Path]:
+def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path) -> tuple[Any, Path]:
     """The policy PPO starts from: ``policy.init`` or the cached BC checkpoint (rank 0 trains it once)."""
     if cfg.policy.init:
         path = Path(cfg.policy.init)
     else:
         from diffpolicy.pretrain import pretrained_checkpoint
 
+        def cached() -> Path:
+            return pretrained_checkpoint(
+                cfg.env, cfg.policy, cfg.algo, rt, cfg.cache_dir, seed=cfg.seed, run_dir=run_dir / "bc"
+            )
+
         if info.is_main:
-            path = pretrained_checkpoint(cfg, rt, logger)
+            path = cached()  # collects demonstrations and trains BC on first use, then reuses the cache
         barrier(info)
         if not info.is_main:
-            path = pretrained_checkpoint(cfg, rt, None, train_if_missing=False)
+            path = cached()
     policy, _, _ = load_policy(path, rt.device)
     policy.cfg.compile = cfg.policy.compile
     policy.set_freeze_encoders(cfg.policy.freeze_encoders or not cfg.algo.finetune_encoders)
@@ -187,7 +192,7 @@ def fine_tune(
 ) -> dict:
     algo, device = cfg.algo, rt.device
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
-    policy, init_path = initial_policy(cfg, rt, info, logger)
+    policy, init_path = initial_policy(cfg, rt, info, run_dir)
     reference = copy.deepcopy(policy).eval().requires_grad_(False) if algo.reg == "kl" else None
     critic = Critic(cfg.policy.cond_dim).to(device)
     actor_params = [p for p in policy.parameters() if p.requires_grad]

@@ -40,3 +40,34 @@ def test_cli_prints_table_then_json(tmp_path: Path) -> None:
         [sys.executable, "-m", "diffpolicy.sweep", str(tmp_path / "nope")], capture_output=True, text=True
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error:")
+
+
+def test_real_multirun_gives_one_directory_and_summary_per_job(tmp_path: Path) -> None:
+    import torch
+    from test_train import TINY_POLICY, TINY_RUN
+
+    from diffpolicy.cli import compose
+    from diffpolicy.policy_io import build_policy, env_spec, save_policy
+
+    cfg = compose("train", [*TINY_RUN, *TINY_POLICY])
+    spec, da = env_spec(cfg.env)
+    torch.manual_seed(0)
+    save_policy(
+        tmp_path / "init", 0, build_policy(cfg.policy, spec, da), env_cfg=cfg.env, policy_cfg=cfg.policy
+    )
+    args = [
+        *TINY_RUN,
+        *TINY_POLICY,
+        f"policy.init={tmp_path / 'init'}",
+        "algo.iterations=1",
+        "eval_episodes=2",
+    ]
+    args += ["algo.lr=1e-5,3e-5", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    out = subprocess.run(
+        [sys.executable, "-m", "diffpolicy.train", "-m", *args], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = collect(tmp_path / "sweep")
+    assert [r["status"] for r in rows] == ["done", "done"]
+    assert sorted(float(r["algo.lr"]) for r in rows) == [1e-5, 3e-5]
+    assert all("ppo_success_rate" in r for r in rows)
