@@ -263,7 +263,7 @@ class AlgoConfig:
     """Warn when the gradient norm's z-score exceeds this."""
     rollback_drop: float = 0.3
     """Roll back to the last stable checkpoint when the success rate falls this far below its best."""
-    bc_epochs: int = 60
+    bc_epochs: int = 12
     """Behaviour-cloning epochs over the demonstrations."""
     bc_batch_size: int = 128
     """Behaviour-cloning batch size (windows)."""
@@ -379,6 +379,8 @@ class TrainConfig:
     """Held-out episodes evaluated before and after fine-tuning."""
     eval_seed: int = 100_000
     """First seed of the held-out evaluation episodes (disjoint from demonstration seeds)."""
+    eval_deterministic: bool = True
+    """Evaluate with deterministic DDIM (every step's mean) rather than the exploring fine-tuned steps."""
     cache_dir: str = "${oc.env:DIFFPOLICY_CACHE,runs/cache}"
     """Where demonstrations and the pre-trained checkpoint are cached between runs."""
     video_episodes: int = 2
@@ -426,9 +428,14 @@ class PretrainConfig:
     """Demonstration dataset ('' collects into the cache when missing)."""
     cache_dir: str = "${oc.env:DIFFPOLICY_CACHE,runs/cache}"
     """Where demonstrations are cached between runs."""
+    eval_episodes: int = 0
+    """Held-out episodes evaluated after training (0 skips the evaluation)."""
+    eval_seed: int = 100_000
+    """First held-out seed (disjoint from demonstration seeds)."""
 
     def __post_init__(self) -> None:
         _positive("seed", self.seed, allow_zero=True)
+        _positive("eval_episodes", self.eval_episodes, allow_zero=True)
 
 
 @dataclass
@@ -445,6 +452,8 @@ class EvaluateConfig:
     """First held-out seed (disjoint from demonstration seeds)."""
     video_episodes: int = 2
     """Episodes recorded to mp4."""
+    deterministic: bool = True
+    """Deterministic DDIM (every step's mean) rather than the exploring fine-tuned steps."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:

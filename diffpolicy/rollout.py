@@ -175,6 +175,21 @@ def act(
     return actions.float().cpu().numpy().astype(np.float32), out
 
 
+def step_info(info: dict[str, Any], key: str, num_envs: int, default: Any) -> np.ndarray:
+    """Per-environment ``info[key]`` of the step just taken, (B,).
+
+    With same-step autoreset an environment whose episode ended is already reset, and the top-level info
+    holds its reset info; the last step's info is in ``info["final_info"]`` where ``info["_final_info"]``.
+    """
+    out = np.asarray(info.get(key, np.full(num_envs, default))).copy()
+    done = np.asarray(info.get("_final_info", np.zeros(num_envs, dtype=bool)), dtype=bool)
+    if done.any():
+        final = info["final_info"]
+        if key in final:
+            out[done] = np.asarray(final[key])[done]
+    return out
+
+
 @dataclass
 class EvalResult:
     """Outcome of :func:`evaluate`."""
@@ -222,10 +237,10 @@ def evaluate(
                 )
                 obs, reward, term, trunc, info = venv.step(actions)
                 active = ~done
-                executed = np.asarray(info.get("executed", np.full(num_envs, n_action_steps)))
+                executed = step_info(info, "executed", num_envs, n_action_steps)
                 env_steps += int(executed[active].sum())
                 ret[active] += reward[active]
-                succ[active] |= np.asarray(info["is_success"], dtype=bool)[active]
+                succ[active] |= step_info(info, "is_success", num_envs, False).astype(bool)[active]
                 done |= term | trunc
             successes += succ[live].tolist()
             returns += ret[live].tolist()
@@ -344,7 +359,7 @@ def collect_rollout(
         values = critic(out.cond)  # (N,) fp32
         next_obs, reward, term, trunc, info = venv.step(actions)
         reward = reward.astype(np.float64)
-        executed = np.asarray(info.get("executed", np.full(num_envs, actions.shape[1])))
+        executed = step_info(info, "executed", num_envs, actions.shape[1])
         stats.env_steps += int(executed.sum())
         cut = np.flatnonzero(trunc & ~term)
         if cut.size:  # fold the bootstrap of a time-limit cut into the reward (DESIGN: the GAE op's contract)
@@ -364,8 +379,8 @@ def collect_rollout(
             valid=torch.from_numpy(valid.astype(np.float32)),
             **({"cond": out.cond} if "cond" in buffer.fields else {}),
         )
-        ep_return += np.asarray(info.get("episode_reward", reward))
-        succ = np.asarray(info["is_success"], dtype=bool)
+        ep_return += reward
+        succ = step_info(info, "is_success", num_envs, False).astype(bool)
         for i in np.flatnonzero(done & valid):
             stats.episodes += 1
             stats.successes += int(succ[i])

@@ -98,6 +98,7 @@ def held_out(policy: Any, cfg: TrainConfig, rt: Runtime) -> float:
         seed=cfg.eval_seed,
         num_envs=cfg.env.num_envs,
         device=rt.device,
+        deterministic=cfg.eval_deterministic,
         autocast=rt.autocast,
     )
     return result.success_rate

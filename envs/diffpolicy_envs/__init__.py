@@ -12,7 +12,13 @@ so ``gymnasium.make("diffpolicy_envs:MujocoPick-v0")`` works with no other impor
 construction in :mod:`diffpolicy_envs.vector`.
 """
 
+import os
+
 from gymnasium.envs.registration import register, registry
+
+# Headless rendering unless the user chose a backend: MuJoCo reads MUJOCO_GL when it is first imported, and
+# every submodule (experts, environments) is imported after this package.
+os.environ.setdefault("MUJOCO_GL", "egl")
 
 ENV_IDS = ("MujocoPick-v0", "ObstacleReach-v0")
 """Environments this package registers."""

@@ -1,0 +1,208 @@
+"""``python -m diffpolicy.collect env=mujoco_pick n_episodes=100``: scripted-expert demonstrations.
+
+Episode i resets a single environment (camera rendered every step, every modality of ``env.obs_mode``) with
+seed ``seed + i`` and rolls out the environment's scripted expert (:mod:`diffpolicy_envs.experts`). Each
+step stores the observation the expert acted on and its action, in the format of
+:mod:`diffpolicy.data.dataset`; episodes where the expert failed are skipped unless ``keep_failures``.
+The dataset goes to ``out`` (or ``<run_dir>/demos``); the summary (last stdout line) is
+``{"success_rate", "n_episodes", "n_kept", "steps", "path", "wall_time_s"}``.
+
+:func:`collect_demos` is the library face; :func:`cached_demos` is what pre-training calls: it reuses the
+dataset cached under ``<cache_dir>/demos/<key>`` for the same environment, count and seed, or collects it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diffpolicy.cli import launch
+from diffpolicy.config import CollectConfig, EnvConfig
+from diffpolicy.data.dataset import DemoFormatError, DemoWriter, read_meta
+
+Progress = Callable[..., Iterator[Any]]
+"""``progress(iterable, total=, desc=)`` (e.g. :meth:`diffpolicy.logger.Logger.progress`)."""
+
+OBS_KEYS = ("rgb", "points", "state", "instruction")
+"""Observation entries stored per step (those the environment returns)."""
+
+# Headless rendering when used as a library (the CLI sets it too). MuJoCo reads MUJOCO_GL when it is first
+# imported, and diffpolicy_envs.experts imports mujoco before the env module's own default applies.
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+KEY_IGNORED_FIELDS = ("num_envs", "vectorization")
+"""EnvConfig fields that do not change what a demonstration holds (left out of the cache key)."""
+
+
+def _no_progress(iterable: Iterable[Any], **_: Any) -> Iterator[Any]:
+    yield from iterable
+
+
+def _make_env(env_cfg: EnvConfig):
+    """One environment rendering its camera every step (obs_every = 1), no action chunking."""
+    from diffpolicy.rollout import env_kwargs
+    from diffpolicy_envs.adapters import make_env
+
+    if env_cfg.name == "gym":
+        raise ValueError(
+            f"env=gym ({env_cfg.id}) has no scripted expert to collect demonstrations from; "
+            "use env=mujoco_pick or env=obstacle_reach, or pass an existing dataset"
+        )
+    return make_env(env_cfg.id, **env_kwargs(env_cfg, 1))
+
+
+def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any], bool]:
+    """One expert episode from ``env.reset(seed=seed)``.
+
+    Returns:
+        ``(episode, success)``: ``episode`` maps ``action`` (L, Da) and each observation key to L steps
+        (``rgb`` (L, H, W, 3) uint8, ``points`` (L, N, 3), ``state`` (L, Ds), ``instruction`` one string);
+        step t holds the observation the expert acted on and the action it took.
+    """
+    obs, _ = env.reset(seed=seed)
+    steps: dict[str, list[Any]] = {k: [] for k in OBS_KEYS if k in obs and k != "instruction"}
+    actions: list[np.ndarray] = []
+    instruction = obs.get("instruction")
+    success = False
+    while True:
+        for key in steps:
+            steps[key].append(np.array(obs[key], copy=True))
+        action = expert.act(env)
+        actions.append(np.asarray(action, dtype=np.float32))
+        obs, _, terminated, truncated, info = env.step(action)
+        success = success or bool(info.get("is_success", False))
+        if terminated or truncated:
+            break
+    episode: dict[str, Any] = {key: np.stack(values) for key, values in steps.items()}
+    episode["action"] = np.stack(actions)  # (L, Da)
+    if instruction is not None:
+        episode["instruction"] = str(instruction)
+    return episode, success
+
+
+def collect_demos(
+    env_cfg: EnvConfig,
+    n_episodes: int,
+    seed: int,
+    out: str | Path,
+    keep_failures: bool = False,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Roll out the scripted expert on seeds ``seed .. seed + n_episodes - 1`` and write a dataset at ``out``.
+
+    Args:
+        env_cfg: environment (``mujoco_pick`` in either obs mode, or ``obstacle_reach``).
+        n_episodes: episodes to run.
+        seed: first episode seed (also seeds the expert's own choices).
+        out: dataset directory to create (must not exist).
+        keep_failures: also store episodes the expert failed.
+        progress: wraps the episode loop (e.g. ``logger.progress``).
+
+    Returns:
+        ``{"success_rate", "n_episodes", "n_kept", "steps", "path", "wall_time_s"}``.
+
+    Raises:
+        ValueError: no expert for the environment, ``out`` exists, or no episode was kept.
+    """
+    from diffpolicy_envs.experts import make_expert
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"out={out} already exists; give a new directory or remove it")
+    if n_episodes < 1:
+        raise ValueError(f"n_episodes={n_episodes} must be >= 1")
+    progress = progress or _no_progress
+    env = _make_env(env_cfg)
+    expert = make_expert(env, seed=seed)
+    attrs = {"env": dataclasses.asdict(env_cfg), "seed": seed, "keep_failures": keep_failures, "obs_every": 1}
+    writer = DemoWriter(out, env_id=env_cfg.id, attrs=attrs)
+    successes: list[bool] = []
+    steps = 0
+    try:
+        for i in progress(range(n_episodes), total=n_episodes, desc="collect"):
+            episode, success = run_expert_episode(env, expert, seed + i)
+            successes.append(success)
+            if success or keep_failures:
+                writer.add_episode(episode, seed=seed + i, success=success)
+                steps += len(episode["action"])
+        if writer.num_episodes == 0:
+            raise ValueError(
+                f"the expert failed all {n_episodes} episodes of {env_cfg.id}; nothing to write "
+                "(keep_failures=true stores failed episodes)"
+            )
+        path = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        env.close()
+    return {
+        "success_rate": float(np.mean(successes)),
+        "n_episodes": n_episodes,
+        "n_kept": writer.num_episodes,
+        "steps": steps,
+        "path": str(path),
+        "wall_time_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def demos_key(env_cfg: EnvConfig, n_episodes: int, seed: int) -> str:
+    """Short hash naming a cached dataset: the environment's data-relevant fields, episode count and seed."""
+    env = {k: v for k, v in dataclasses.asdict(env_cfg).items() if k not in KEY_IGNORED_FIELDS}
+    blob = json.dumps({"env": env, "n": n_episodes, "seed": seed}, sort_keys=True, default=str)
+    return f"{env_cfg.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def cached_demos(
+    env_cfg: EnvConfig,
+    n_episodes: int,
+    seed: int,
+    cache_dir: str | Path,
+    progress: Progress | None = None,
+) -> tuple[Path, bool]:
+    """The dataset at ``<cache_dir>/demos/<demos_key>``, collected first if it is not there.
+
+    Returns:
+        ``(path, collected)``: the dataset directory and whether this call collected it.
+    """
+    path = Path(cache_dir) / "demos" / demos_key(env_cfg, n_episodes, seed)
+    try:
+        read_meta(path)
+        return path, False
+    except DemoFormatError:
+        if path.exists():  # a broken leftover (the writer is atomic, so this is not a complete dataset)
+            raise ValueError(f"demonstration cache {path} is corrupt; remove it to collect again") from None
+    try:
+        collect_demos(env_cfg, n_episodes, seed, path, progress=progress)
+    except (ValueError, OSError):
+        if path.exists():  # another process finished the same dataset first
+            read_meta(path)
+            return path, False
+        raise
+    return path, True
+
+
+def main(cfg: CollectConfig, run_dir: Path) -> dict[str, Any]:
+    """Collect ``cfg.n_episodes`` expert demonstrations into ``cfg.out`` or ``<run_dir>/demos``."""
+    from diffpolicy.logger import Logger
+
+    out = Path(cfg.out) if cfg.out else run_dir / "demos"
+    with Logger(run_dir, tensorboard=False) as log:
+        summary = collect_demos(
+            cfg.env, cfg.n_episodes, cfg.seed, out, cfg.keep_failures, progress=log.progress
+        )
+        log.log({"rollout/success_rate": summary["success_rate"]}, step=summary["steps"])
+    return summary
+
+
+if __name__ == "__main__":
+    launch("collect", main)

@@ -1,0 +1,108 @@
+"""``python -m diffpolicy.evaluate checkpoint=PATH n_episodes=100``: success rate of a checkpoint.
+
+Loads the policy with :func:`diffpolicy.policy_io.load_policy`, runs :func:`diffpolicy.rollout.evaluate`
+(the sampling path training rollouts use too) on held-out seeds ``eval_seed + i`` (demonstrations use seeds
+from 0), records ``video_episodes`` episodes to ``eval.mp4`` and, when the checkpoint's run directory holds
+a ``metrics.jsonl``, plots its training curve into the run directory. Prints one JSON line last:
+``{"success_rate", "n_episodes", "mean_return", ...}``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from diffpolicy import rollout
+from diffpolicy.cli import launch
+from diffpolicy.config import EvaluateConfig
+from diffpolicy.device import Runtime
+from diffpolicy.policy_io import load_policy
+
+CURVE_KEYS = ("losses/bc", "rollout/success_rate", "losses/policy")
+"""Metrics plotted (when present) from the checkpoint's run directory."""
+
+
+def find_metrics(checkpoint_path: str | Path) -> Path | None:
+    """The ``metrics.jsonl`` of the run that wrote a checkpoint: next to the checkpoint root or above it.
+
+    Checkpoints live in ``<run_dir>/checkpoints/step_*`` (or ``<run_dir>/checkpoints`` is given), so the
+    search walks up at most three directories from ``checkpoint_path``.
+    """
+    path = Path(checkpoint_path).resolve()
+    for parent in [path, *path.parents][:4]:
+        candidate = parent / "metrics.jsonl"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def training_curves(metrics: Path, out_dir: Path) -> list[str]:
+    """Plot every metric of :data:`CURVE_KEYS` present in ``metrics`` into ``out_dir``; copy existing PNGs."""
+    from diffpolicy.plots import plot_curve
+
+    written: list[str] = []
+    for png in sorted(metrics.parent.glob("*.png")):  # curves the training run already drew
+        if png.parent.resolve() == out_dir.resolve():
+            continue
+        shutil.copy2(png, out_dir / png.name)
+        written.append(str(out_dir / png.name))
+    for key in CURVE_KEYS:
+        name = f"curve_{key.replace('/', '_')}.png"
+        if str(out_dir / name) in written:
+            continue
+        try:
+            written.append(str(plot_curve(metrics, key, out_dir / name)))
+        except ValueError:  # the run did not log this metric
+            continue
+    return written
+
+
+def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
+    """Evaluate ``cfg.checkpoint`` on ``cfg.n_episodes`` held-out episodes; returns the summary."""
+    t0 = time.perf_counter()
+    runtime = Runtime.from_config(cfg.device)
+    policy, env_cfg, ckpt = load_policy(
+        cfg.checkpoint, runtime.device, env_overrides={"num_envs": cfg.num_envs}
+    )
+    runtime.manual_seed(cfg.eval_seed)
+    result = rollout.evaluate(
+        policy,
+        env_cfg,
+        n_action_steps=policy.n_action_steps,
+        n_episodes=cfg.n_episodes,
+        seed=cfg.eval_seed,
+        num_envs=min(cfg.num_envs, cfg.n_episodes),
+        device=runtime.device,
+        deterministic=cfg.deterministic,
+        autocast=runtime.autocast,
+    )
+    summary: dict[str, Any] = {
+        "success_rate": result.success_rate,
+        "n_episodes": result.episodes,
+        "mean_return": result.mean_return,
+        "env_steps": result.env_steps,
+        "checkpoint": str(ckpt.path),
+        "step": ckpt.step,
+    }
+    if cfg.video_episodes > 0:
+        video = run_dir / "eval.mp4"
+        frames = rollout.record_video(
+            policy,
+            env_cfg,
+            str(video),
+            n_action_steps=policy.n_action_steps,
+            n_episodes=cfg.video_episodes,
+            seed=cfg.eval_seed,
+            device=runtime.device,
+        )
+        summary["video"] = str(video) if frames else None
+    metrics = find_metrics(cfg.checkpoint)
+    summary["curves"] = training_curves(metrics, run_dir) if metrics is not None else []
+    summary["wall_time_s"] = round(time.perf_counter() - t0, 2)
+    return summary
+
+
+if __name__ == "__main__":
+    launch("evaluate", main)

@@ -1,0 +1,414 @@
+"""``python -m diffpolicy.pretrain env=mujoco_pick``: behaviour cloning of a policy from expert demonstrations.
+
+Reads top to bottom:
+
+1. demonstrations: ``demos=PATH``, or the cached dataset ``<cache_dir>/demos/<key>`` (collected first when
+   missing; the key hashes the env config, ``algo.n_demos`` and ``seed``);
+2. :func:`behaviour_cloning`: normalisers fitted on the demonstrations, AdamW (``algo.bc_lr``, weight decay
+   1e-6) with linear warm-up then cosine decay, gradient clipping (``algo.max_grad_norm``), an EMA copy of
+   the weights (``algo.ema_decay``) which is what gets saved and evaluated; ``losses/bc`` and ``train/lr``
+   to TensorBoard / ``metrics.jsonl`` with a progress bar; checkpoints (:mod:`diffpolicy.policy_io`) in
+   ``<run_dir>/checkpoints`` during training and at the end;
+3. the training curve as ``bc_loss.png`` and, when ``eval_episodes > 0``, a held-out success rate.
+
+:func:`behaviour_cloning` and :func:`pretrained_checkpoint` are the library faces ``diffpolicy.train`` uses:
+the latter returns the cached BC checkpoint ``<cache_dir>/bc/<key>`` for the same env / policy / BC settings
+and seed, training (and caching) it first when there is none.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffpolicy import checkpoint
+from diffpolicy.cli import launch
+from diffpolicy.collect import cached_demos, demos_key
+from diffpolicy.config import AlgoConfig, EnvConfig, PolicyConfig, PretrainConfig
+from diffpolicy.data.dataset import DemoReader
+from diffpolicy.device import Runtime
+from diffpolicy.logger import Logger
+from diffpolicy.policy_io import build_policy, save_policy
+
+BC_WEIGHT_DECAY = 1e-6
+"""AdamW weight decay of behaviour cloning."""
+BC_FIELDS = ("bc_epochs", "bc_batch_size", "bc_lr", "ema_decay", "n_demos", "max_grad_norm")
+"""AlgoConfig fields that change a BC result (part of the cache key)."""
+POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing")
+"""PolicyConfig fields that do not change a BC result (left out of the cache key)."""
+LOG_EVERY = 10
+"""Optimiser steps per logged ``losses/bc`` point (the mean over those steps)."""
+
+
+# ------------------------------------------------------------------------------------------------ data
+class DemoWindows:
+    """Every training window of a demonstration dataset, held in memory and gathered by index.
+
+    Window t (one per stored step) has the same meaning as in :class:`diffpolicy.data.dataset.DemoDataset`:
+    observations at steps t-To+1 .. t (the episode's first step repeated before its start) and actions
+    t .. t+Ta-1 (its last action repeated past its end). Episodes marked failed (``success`` False) are left
+    out. Raw units: the policy normalises actions and state itself.
+
+    Args:
+        path: dataset directory (:class:`~diffpolicy.data.dataset.DemoWriter` format).
+        obs_horizon: To.
+        action_horizon: Ta.
+        obs_keys: observation fields to serve (default: every field the dataset has).
+    """
+
+    def __init__(
+        self, path: str | Path, obs_horizon: int, action_horizon: int, obs_keys: list[str] | None = None
+    ) -> None:
+        reader = DemoReader(path)
+        self.path = Path(path)
+        self.meta = reader.meta
+        fields = [k for k in reader.fields if k != "action"]
+        self.obs_keys = [k for k in (obs_keys or fields) if k in fields]
+        self.instructions = list(reader.instructions)
+        self.data = {
+            k: torch.from_numpy(reader.read(k, 0, reader.num_steps)) for k in [*self.obs_keys, "action"]
+        }
+        success = self.meta["success"]
+        keep = [i for i in range(reader.num_episodes) if success[i] is not False]
+        if not keep:
+            raise ValueError(f"demonstrations at {path} hold no successful episode")
+        obs_idx, act_idx = [], []
+        for i in keep:
+            start, end = int(reader.episode_starts[i]), int(reader.episode_ends[i])
+            t = np.arange(start, end)[:, None]  # (L, 1)
+            obs_idx.append(np.maximum(t + np.arange(1 - obs_horizon, 1), start))  # (L, To)
+            act_idx.append(np.minimum(t + np.arange(action_horizon), end - 1))  # (L, Ta)
+        self.obs_idx = torch.from_numpy(np.concatenate(obs_idx))  # (N, To)
+        self.act_idx = torch.from_numpy(np.concatenate(act_idx))  # (N, Ta)
+        self.n_episodes = len(keep)
+        self.obs_spec = {
+            k: [] if k == "instruction" else list(reader.fields[k]["shape"]) for k in self.obs_keys
+        }
+        self.action_dim = int(reader.fields["action"]["shape"][0])
+
+    def __len__(self) -> int:
+        return len(self.obs_idx)
+
+    def steps(self) -> torch.Tensor:
+        """Indices of every stored step that belongs to a kept episode (for fitting normalisers)."""
+        return torch.unique(self.obs_idx[:, -1])
+
+    def batch(
+        self, idx: torch.Tensor, device: torch.device | str = "cpu"
+    ) -> tuple[dict[str, Any], torch.Tensor]:
+        """Windows ``idx`` (B,) -> (obs, actions): ``rgb`` (B, To, H, W, 3) uint8, ``points`` (B, To, N, 3),
+        ``state`` (B, To, Ds), ``instruction`` list of B strings (at step t); actions (B, Ta, Da) float32."""
+        oi = self.obs_idx[idx]  # (B, To)
+        obs: dict[str, Any] = {}
+        for key in self.obs_keys:
+            if key == "instruction":
+                obs[key] = [self.instructions[int(j)] for j in self.data[key][oi[:, -1]]]
+            else:
+                value = self.data[key][oi]  # (B, To, ...)
+                obs[key] = (value if value.dtype == torch.uint8 else value.float()).to(
+                    device, non_blocking=True
+                )
+        actions = self.data["action"][self.act_idx[idx]].float().to(device, non_blocking=True)  # (B, Ta, Da)
+        return obs, actions
+
+
+# ---------------------------------------------------------------------------------------------- training
+def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
+    """LR multiplier: linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class EMA:
+    """Exponential moving average of a module's weights, with the usual warm-up of the decay.
+
+    ``decay_t = min(max_decay, (1 + t) / (10 + t))``; buffers (normalisers) are copied, not averaged.
+    """
+
+    def __init__(self, module: torch.nn.Module, max_decay: float) -> None:
+        self.module = copy.deepcopy(module).eval().requires_grad_(False)
+        self.max_decay = max_decay
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module) -> None:
+        decay = min(self.max_decay, (1 + self.updates) / (10 + self.updates))
+        for ema_p, p in zip(self.module.parameters(), module.parameters()):
+            ema_p.lerp_(p.detach(), 1.0 - decay)
+        for ema_b, b in zip(self.module.buffers(), module.buffers()):
+            ema_b.copy_(b)
+        self.updates += 1
+
+
+def behaviour_cloning(
+    env_cfg: EnvConfig,
+    policy_cfg: PolicyConfig,
+    algo: AlgoConfig,
+    demos_path: str | Path,
+    runtime: Runtime,
+    logger: Logger,
+    run_dir: str | Path,
+    seed: int,
+    *,
+    text_backend: str = "minilm",
+    checkpoints: int = 4,
+    extra: dict[str, Any] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Train a policy by behaviour cloning on the demonstrations at ``demos_path``.
+
+    Runs ``algo.bc_epochs`` passes over all windows in batches of ``algo.bc_batch_size`` (the last,
+    incomplete batch of an epoch is dropped), logging ``losses/bc`` / ``train/lr`` against the optimiser
+    step and writing ``checkpoints`` intermediate checkpoints plus the final one (the EMA weights as
+    ``"policy"``) under ``<run_dir>/checkpoints``.
+
+    Args:
+        env_cfg, policy_cfg, algo: the pieces of a Pretrain/TrainConfig (algo's ``bc_*``, ``ema_decay``
+            and ``max_grad_norm`` are used).
+        demos_path: dataset directory.
+        runtime: device and precision.
+        logger: metrics logger (its progress bar shows the steps).
+        run_dir: where ``checkpoints/`` goes.
+        seed: initialisation and batching seed.
+        text_backend: instruction embedder (``minilm``; ``hash`` for fast tests).
+        checkpoints: intermediate checkpoints during training (0 = only the final one).
+        extra: stored in every checkpoint's ``extra`` (e.g. cache keys).
+
+    Returns:
+        ``(policy, metrics)``: the EMA policy in eval mode on ``runtime.device`` and
+        ``{"final_loss", "epochs", "steps", "s_per_step", "n_windows", "n_episodes", "checkpoint",
+        "wall_time_s"}`` (final_loss: mean loss over the last epoch).
+    """
+    t0 = time.perf_counter()
+    device = runtime.device
+    runtime.manual_seed(seed)
+    data = DemoWindows(demos_path, policy_cfg.n_obs_steps, policy_cfg.horizon)
+    policy = build_policy(policy_cfg, data.obs_spec, data.action_dim, text_backend=text_backend)
+    steps = data.steps()
+    state = data.data["state"][steps] if "state" in data.data else None
+    policy.fit_normalizers(actions=data.data["action"][steps], state=state)
+    policy.to(device).train()
+    ema = EMA(policy, algo.ema_decay)
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=algo.bc_lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
+    batch_size = min(algo.bc_batch_size, len(data))
+    per_epoch = len(data) // batch_size
+    total = per_epoch * algo.bc_epochs
+    warmup = max(1, min(500, total // 20))
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
+    scaler = runtime.grad_scaler()
+    gen = torch.Generator().manual_seed(seed)
+    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_every = max(1, algo.bc_epochs // checkpoints) if checkpoints > 0 else algo.bc_epochs + 1
+    description = {"stage": "bc", "demos": str(demos_path), "seed": seed, **(extra or {})}
+
+    def save(step: int, epoch: int, loss: float) -> Path:
+        return save_policy(
+            ckpt_root,
+            step,
+            ema.module,
+            env_cfg=env_cfg,
+            policy_cfg=policy_cfg,
+            obs_spec=data.obs_spec,
+            extra_state={
+                "model": policy.state_dict(),
+                "optim": optim.state_dict(),
+                "rng": checkpoint.rng_state(),
+            },
+            metrics={"losses/bc": loss, "epoch": epoch},
+            extra={**description, "epoch": epoch},
+            keep=2,
+        )
+
+    step, epoch_loss, window_loss, window_n = 0, float("nan"), 0.0, 0
+    t_train = time.perf_counter()
+    bar = iter(logger.progress(range(total), total=total, desc="bc"))
+    for epoch in range(1, algo.bc_epochs + 1):
+        order = torch.randperm(len(data), generator=gen)
+        loss_sum = 0.0
+        for b in range(per_epoch):
+            next(bar, None)
+            obs, actions = data.batch(order[b * batch_size : (b + 1) * batch_size], device)
+            with runtime.autocast():
+                loss = policy.bc_loss(obs, actions)
+            optim.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optim)
+            torch.nn.utils.clip_grad_norm_(params, algo.max_grad_norm if algo.max_grad_norm > 0 else math.inf)
+            scaler.step(optim)
+            scaler.update()
+            sched.step()
+            ema.update(policy)
+            step += 1
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise ValueError(f"behaviour-cloning loss is {value} at step {step}; lower algo.bc_lr")
+            loss_sum += value
+            window_loss, window_n = window_loss + value, window_n + 1
+            if window_n == LOG_EVERY or step == total:
+                logger.log({"losses/bc": window_loss / window_n, "train/lr": sched.get_last_lr()[0]}, step)
+                window_loss, window_n = 0.0, 0
+        epoch_loss = loss_sum / max(1, per_epoch)
+        logger.log({"losses/bc_epoch": epoch_loss, "train/epoch": epoch}, step)
+        if epoch % ckpt_every == 0 and epoch < algo.bc_epochs:
+            save(step, epoch, epoch_loss)
+    next(bar, None)  # close the progress bar
+    train_s = time.perf_counter() - t_train
+    final = save(step, algo.bc_epochs, epoch_loss)
+    logger.log({"time/bc_s_per_step": train_s / max(1, step)}, step)
+    policy = ema.module.eval()
+    metrics = {
+        "final_loss": epoch_loss,
+        "epochs": algo.bc_epochs,
+        "steps": step,
+        "s_per_step": round(train_s / max(1, step), 4),
+        "n_windows": len(data),
+        "n_episodes": data.n_episodes,
+        "checkpoint": str(final),
+        "wall_time_s": round(time.perf_counter() - t0, 2),
+    }
+    return policy, metrics
+
+
+# ------------------------------------------------------------------------------------------------- cache
+def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, algo: AlgoConfig, seed: int) -> str:
+    """Short hash naming a cached BC checkpoint: the demonstrations' key, the policy and the BC settings."""
+    policy = {k: v for k, v in dataclasses.asdict(policy_cfg).items() if k not in POLICY_FIELDS_IGNORED}
+    bc = {k: getattr(algo, k) for k in BC_FIELDS}
+    blob = json.dumps(
+        {"demos": demos_key(env_cfg, algo.n_demos, seed), "policy": policy, "bc": bc, "seed": seed},
+        sort_keys=True,
+        default=str,
+    )
+    return f"{env_cfg.name}-{policy_cfg.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def pretrained_checkpoint(
+    env_cfg: EnvConfig,
+    policy_cfg: PolicyConfig,
+    algo: AlgoConfig,
+    runtime: Runtime,
+    cache_dir: str | Path,
+    *,
+    seed: int = 0,
+    logger: Logger | None = None,
+    run_dir: str | Path | None = None,
+    text_backend: str = "minilm",
+) -> Path:
+    """The cached BC checkpoint for these settings (``<cache_dir>/bc/<bc_key>``), trained first if missing.
+
+    Demonstrations come from :func:`diffpolicy.collect.cached_demos` (``algo.n_demos`` episodes from
+    ``seed``). Training logs and intermediate checkpoints go to ``run_dir`` (default
+    ``<cache_dir>/bc/<key>.run``); only the finished checkpoint is written into the cache, so an interrupted
+    run never leaves a half-trained one there.
+    """
+    root = Path(cache_dir) / "bc" / bc_key(env_cfg, policy_cfg, algo, seed)
+    if checkpoint.exists(root):
+        return checkpoint.resolve(root)
+    run_dir = Path(run_dir) if run_dir is not None else root.with_name(root.name + ".run")
+    own_logger = logger is None
+    logger = logger or Logger(run_dir, tensorboard=False)
+    try:
+        demos, _ = cached_demos(env_cfg, algo.n_demos, seed, cache_dir, progress=logger.progress)
+        policy, metrics = behaviour_cloning(
+            env_cfg, policy_cfg, algo, demos, runtime, logger, run_dir, seed, text_backend=text_backend
+        )
+    finally:
+        if own_logger:
+            logger.close()
+    return publish(policy, env_cfg, policy_cfg, root, metrics, demos)
+
+
+def publish(
+    policy: Any,
+    env_cfg: EnvConfig,
+    policy_cfg: PolicyConfig,
+    root: Path,
+    metrics: dict[str, Any],
+    demos: Path,
+) -> Path:
+    """Write a finished BC policy into the cache root ``root`` (no-op if another run already did)."""
+    if checkpoint.exists(root):
+        return checkpoint.resolve(root)
+    return save_policy(
+        root,
+        int(metrics["steps"]),
+        policy,
+        env_cfg=env_cfg,
+        policy_cfg=policy_cfg,
+        metrics={"losses/bc": metrics["final_loss"]},
+        extra={"stage": "bc", "demos": str(demos), "source": metrics["checkpoint"]},
+    )
+
+
+# -------------------------------------------------------------------------------------------- entry point
+def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
+    """Behaviour cloning for ``cfg``; returns the summary printed as the last stdout line."""
+    from diffpolicy import rollout
+    from diffpolicy.plots import plot_curve
+
+    t0 = time.perf_counter()
+    runtime = Runtime.from_config(cfg.device)
+    summary: dict[str, Any] = {}
+    with Logger(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress) as logger:
+        if cfg.demos:
+            demos = Path(cfg.demos)
+        else:
+            demos, collected = cached_demos(
+                cfg.env, cfg.algo.n_demos, cfg.seed, cfg.cache_dir, logger.progress
+            )
+            summary["demos_collected"] = collected
+        summary["demos"] = str(demos)
+        policy, metrics = behaviour_cloning(
+            cfg.env, cfg.policy, cfg.algo, demos, runtime, logger, run_dir, cfg.seed
+        )
+        if not cfg.demos:  # same settings as `diffpolicy.train` would pre-train: share the result
+            key = bc_key(cfg.env, cfg.policy, cfg.algo, cfg.seed)
+            summary["cached"] = str(
+                publish(policy, cfg.env, cfg.policy, Path(cfg.cache_dir) / "bc" / key, metrics, demos)
+            )
+        eval_episodes = cfg.eval_episodes
+        if eval_episodes > 0:
+            seed = cfg.eval_seed
+            result = rollout.evaluate(
+                policy,
+                cfg.env,
+                n_action_steps=policy.n_action_steps,
+                n_episodes=eval_episodes,
+                seed=seed,
+                num_envs=min(cfg.env.num_envs, eval_episodes),
+                device=runtime.device,
+                deterministic=True,
+                autocast=runtime.autocast,
+            )
+            logger.log({"eval/success_rate": result.success_rate}, metrics["steps"])
+            summary["success_rate"] = result.success_rate
+            summary["eval_episodes"] = result.episodes
+    curve = plot_curve(
+        run_dir / "metrics.jsonl", "losses/bc", run_dir / "bc_loss.png", title="behaviour cloning"
+    )
+    return {
+        "final_loss": metrics["final_loss"],
+        "checkpoint": metrics["checkpoint"],
+        "epochs": metrics["epochs"],
+        "steps": metrics["steps"],
+        "s_per_step": metrics["s_per_step"],
+        "curve": str(curve),
+        **summary,
+        "wall_time_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+if __name__ == "__main__":
+    launch("pretrain", main)

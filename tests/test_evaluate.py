@@ -1,0 +1,98 @@
+"""evaluate: held-out success rate of a checkpoint, video and curves; one sampling path for eval and training."""
+
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffpolicy import rollout
+from diffpolicy.config import EncoderConfig, EnvConfig, EvaluateConfig, PolicyConfig
+from diffpolicy.logger import Logger
+from diffpolicy.policy_io import build_policy, save_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+REACH = EnvConfig(name="obstacle_reach", id="diffpolicy_envs:ObstacleReach-v0", obs_mode="state", num_envs=2)
+SMALL = PolicyConfig(encoder=EncoderConfig(state_hidden=16, token_dim=16, fusion_heads=2), cond_dim=16,
+                     down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=16, n_action_steps=8,
+                     train_timesteps=20, ddim_steps=4, ft_steps=2)  # fmt: skip
+
+SAMPLING_USERS = [
+    ("diffpolicy.rollout", "evaluate"),
+    ("diffpolicy.rollout", "record_video"),
+    ("diffpolicy.rollout", "collect_rollout"),
+]
+"""(module, function) pairs that must act through ``rollout.act``. Lead: add the PPO collector of
+``diffpolicy.train`` here if it ever stops being ``rollout.collect_rollout``."""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run directory with a metrics.jsonl and a checkpoint root, like pretrain/train leave behind."""
+    run_dir = tmp_path_factory.mktemp("run")
+    torch.manual_seed(0)
+    policy = build_policy(SMALL, {"state": [6]}, 2, text_backend="hash")
+    policy.fit_normalizers(actions=torch.rand(20, 2) * 2 - 1, state=torch.randn(20, 6))
+    with Logger(run_dir, tensorboard=False, progress=False) as log:
+        for step in range(1, 30):
+            log.log({"losses/bc": 1.0 / step, "train/lr": 1e-3}, step)
+    save_policy(run_dir / "checkpoints", 29, policy, env_cfg=REACH, policy_cfg=SMALL)
+    return run_dir
+
+
+def test_evaluate_main_uses_rollout_act(run, tmp_path, monkeypatch):
+    from diffpolicy import evaluate
+
+    calls = []
+    real_act = rollout.act
+
+    def counting_act(policy, obs, **kwargs):
+        calls.append(kwargs.get("deterministic", False))
+        return real_act(policy, obs, **kwargs)
+
+    monkeypatch.setattr(rollout, "act", counting_act)
+    cfg = EvaluateConfig(checkpoint=str(run / "checkpoints"), n_episodes=3, num_envs=2, video_episodes=1)
+    summary = evaluate.main(cfg, tmp_path)
+    assert {"success_rate", "n_episodes", "mean_return"} <= set(summary)
+    assert summary["n_episodes"] == 3 and 0.0 <= summary["success_rate"] <= 1.0
+    assert len(calls) >= 2 + 1  # two waves of evaluation and at least one video decision
+    assert summary["video"] == str(tmp_path / "eval.mp4") and (tmp_path / "eval.mp4").stat().st_size > 0
+    assert (tmp_path / "curve_losses_bc.png").is_file() and summary["curves"]
+
+
+@pytest.mark.parametrize("module, function", SAMPLING_USERS)
+def test_one_sampling_path(module, function):
+    """Evaluation and training rollouts call the global ``act`` of rollout.py and never sample on their own."""
+    fn = inspect.unwrap(getattr(importlib.import_module(module), function))  # under @torch.no_grad()
+    names = fn.__code__.co_names
+    assert "act" in names, f"{module}.{function} does not act through rollout.act"
+    assert fn.__globals__["act"] is rollout.act
+    assert not {"sample", "plan"} & set(names), f"{module}.{function} samples the policy directly"
+
+
+def test_training_entry_point_shares_act():
+    """Hook for the lead: an entry point that imports ``act`` must import rollout's, not define its own."""
+    for name in ("diffpolicy.train", "diffpolicy.evaluate", "diffpolicy.pretrain"):
+        mod = importlib.import_module(name)
+        if hasattr(mod, "act"):
+            assert mod.act is rollout.act, f"{name}.act is not diffpolicy.rollout.act"
+
+
+def test_evaluate_cli(run, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'envs'}"}
+    args = [f"checkpoint={run / 'checkpoints'}", "n_episodes=2", "num_envs=2", "video_episodes=0", "device=cpu",
+            f"hydra.run.dir={tmp_path / 'ev'}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "diffpolicy.evaluate", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["n_episodes"] == 2 and "success_rate" in summary and "mean_return" in summary
+    bad = subprocess.run([sys.executable, "-m", "diffpolicy.evaluate", f"checkpoint={tmp_path / 'none'}",
+                          f"hydra.run.dir={tmp_path / 'bad'}", "device=cpu"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: no checkpoint")

@@ -1,0 +1,156 @@
+"""pretrain: windows match dataset.py, a tiny BC run end to end (function and CLI), EMA, schedule, cache."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffpolicy import checkpoint
+from diffpolicy.collect import collect_demos
+from diffpolicy.config import AlgoConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.data.dataset import DemoDataset
+from diffpolicy.device import Runtime
+from diffpolicy.logger import Logger, read_metrics
+from diffpolicy.policy_io import load_policy
+from diffpolicy.pretrain import (
+    EMA,
+    DemoWindows,
+    behaviour_cloning,
+    cosine_with_warmup,
+    pretrained_checkpoint,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+REACH = EnvConfig(name="obstacle_reach", id="diffpolicy_envs:ObstacleReach-v0", obs_mode="state", num_envs=2)
+PICK = EnvConfig(image_size=32, n_points=64, num_envs=2)
+ENC = EncoderConfig(rgb_channels=[8], rgb_keypoints=4, voxel_grid=4, voxel_channels=[8], token_dim=16,
+                    fusion_heads=2, state_hidden=16)  # fmt: skip
+SMALL = PolicyConfig(encoder=ENC, cond_dim=16, down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=16,
+                     n_action_steps=8, train_timesteps=20, ddim_steps=4, ft_steps=2)  # fmt: skip
+CPU = Runtime.from_config(DeviceConfig(type="cpu"))
+
+
+@pytest.fixture(scope="module")
+def reach_demos(tmp_path_factory):
+    return Path(collect_demos(REACH, 4, 0, tmp_path_factory.mktemp("d") / "reach")["path"])
+
+
+def test_windows_match_demo_dataset(reach_demos):
+    windows = DemoWindows(reach_demos, obs_horizon=2, action_horizon=16)
+    reference = DemoDataset(reach_demos, obs_horizon=2, action_horizon=16)
+    assert len(windows) == len(reference) and windows.obs_spec == {"state": [6]} and windows.action_dim == 2
+    idx = torch.tensor([0, 1, 17, len(windows) - 1])
+    obs, actions = windows.batch(idx)
+    assert obs["state"].shape == (4, 2, 6) and actions.shape == (4, 16, 2)
+    for row, t in enumerate(idx.tolist()):
+        ref = reference[t]
+        torch.testing.assert_close(obs["state"][row], ref["obs"]["state"])
+        torch.testing.assert_close(actions[row], ref["action"])
+
+
+def test_schedule_and_ema():
+    lrs = [cosine_with_warmup(s, 100, 10) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[-1] < 0.01
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    net = torch.nn.Linear(2, 2)
+    ema = EMA(net, max_decay=0.5)
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    before = ema.module.weight.clone()
+    ema.update(net)  # decay 1/10 at the first update
+    torch.testing.assert_close(ema.module.weight, 0.1 * before + 0.9 * net.weight)
+    assert not ema.module.weight.requires_grad
+
+
+def test_behaviour_cloning_reach(tmp_path, reach_demos):
+    algo = AlgoConfig(bc_epochs=3, bc_batch_size=32, bc_lr=1e-3)
+    with Logger(tmp_path, tensorboard=False, progress=False) as log:
+        policy, metrics = behaviour_cloning(REACH, SMALL, algo, reach_demos, CPU, log, tmp_path, seed=0)
+    assert metrics["epochs"] == 3 and metrics["steps"] == 3 * (metrics["n_windows"] // 32)
+    assert metrics["n_episodes"] == 4 and torch.isfinite(torch.tensor(metrics["final_loss"]))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    losses = [r["losses/bc"] for r in records if "losses/bc" in r]
+    assert losses and all("train/lr" in r for r in records if "losses/bc" in r)
+    assert not policy.training and policy.action_normalizer.high.max() <= 1.0
+    # The final checkpoint holds the EMA weights as the policy and reloads to the same actions.
+    loaded, env_cfg, ckpt = load_policy(tmp_path / "checkpoints")
+    assert str(ckpt.path) == metrics["checkpoint"] and env_cfg == REACH and ckpt.extra["stage"] == "bc"
+    assert {"model", "optim", "rng"} <= set(ckpt.state)
+    obs = {"state": torch.randn(3, 1, 6)}
+    noise = torch.randn(3, 16, 2)
+    torch.testing.assert_close(
+        policy.sample(obs, noise=noise, deterministic=True).actions,
+        loaded.sample(obs, noise=noise, deterministic=True).actions,
+    )
+    raw = ckpt.state["model"]
+    assert any(not torch.equal(raw[k], v) for k, v in ckpt.state["policy"].items())  # EMA != raw weights
+
+
+def test_behaviour_cloning_multimodal(tmp_path):
+    demos = collect_demos(PICK, 1, 0, tmp_path / "pick")["path"]
+    algo = AlgoConfig(bc_epochs=1, bc_batch_size=16)
+    with Logger(tmp_path, tensorboard=False, progress=False) as log:
+        policy, metrics = behaviour_cloning(
+            PICK, SMALL, algo, demos, CPU, log, tmp_path, 0, text_backend="hash"
+        )
+    assert metrics["steps"] >= 1
+    loaded, _, ckpt = load_policy(metrics["checkpoint"])
+    assert ckpt.extra["obs_spec"] == {"rgb": [32, 32, 3], "points": [64, 3], "state": [13], "instruction": []}
+    assert ckpt.extra["text_backend"] == "hash"
+
+
+def test_pretrained_checkpoint_is_cached(tmp_path, monkeypatch):
+    algo = AlgoConfig(bc_epochs=1, bc_batch_size=32, n_demos=2)
+    path = pretrained_checkpoint(REACH, SMALL, algo, CPU, tmp_path / "cache", run_dir=tmp_path / "run")
+    assert checkpoint.exists(path) and path.parent.parent == tmp_path / "cache" / "bc"
+    import diffpolicy.pretrain as pretrain
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained again despite the cache")
+
+    monkeypatch.setattr(pretrain, "behaviour_cloning", no_training)
+    assert pretrained_checkpoint(REACH, SMALL, algo, CPU, tmp_path / "cache") == path
+    other = AlgoConfig(bc_epochs=2, bc_batch_size=32, n_demos=2)
+    with pytest.raises(AssertionError, match="trained again"):
+        pretrained_checkpoint(REACH, SMALL, other, CPU, tmp_path / "cache")
+
+
+def test_pretrain_cli(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'envs'}"}
+    args = ["env=obstacle_reach", "device=cpu", "algo.n_demos=3", "algo.bc_epochs=2", "algo.bc_batch_size=32",
+            "policy.horizon=16", "policy.down_dims=[16,32]", "policy.cond_dim=16", "policy.n_groups=4",
+            "policy.ddim_steps=4", "policy.ft_steps=2", "log.tensorboard=false",
+            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "diffpolicy.pretrain", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"final_loss", "checkpoint", "epochs", "wall_time_s"} <= set(summary)
+    assert summary["epochs"] == 2 and summary["demos_collected"] is True
+    assert (tmp_path / "run" / "bc_loss.png").stat().st_size > 1000
+    assert checkpoint.exists(summary["checkpoint"]) and checkpoint.exists(summary["cached"])
+
+
+def test_bimodal_benchmark_wiring(tmp_path):
+    from diffpolicy.benchmarks.bimodal import run
+
+    out = run(
+        threads=1, n_demos=6, epochs=1, batch_size=64, eval_episodes=4, down_dims=[16, 32], work_dir=tmp_path
+    )
+    assert 0.0 <= out["diffusion_success"] <= 1.0 and 0.0 <= out["gaussian_success"] <= 1.0
+    assert out["diffusion_runs"][0]["steps"] >= 1 and out["settings"]["n_demos"] == 6
+    with pytest.raises(ValueError, match="unknown"):
+        run(epoch=3)
+
+
+@pytest.mark.slow
+def test_bimodal_benchmark_separates_modes():
+    """The full benchmark (a few minutes on 2 cores): diffusion keeps both modes, the Gaussian does not."""
+    from diffpolicy.benchmarks.bimodal import run
+
+    out = run(threads=2)
+    assert out["diffusion_success"] >= 0.95 and out["gaussian_success"] <= 0.60, out
