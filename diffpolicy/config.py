@@ -213,15 +213,15 @@ class AlgoConfig:
 
     name: str = "ppo"
     """Config-group entry."""
-    iterations: int = 40
+    iterations: int = 60
     """PPO iterations (rollout + update)."""
-    n_steps: int = 8
+    n_steps: int = 16
     """T: decisions per environment per iteration."""
     update_epochs: int = 4
     """Passes over each iteration's rollout."""
     minibatch_size: int = 64
     """Decisions per minibatch."""
-    lr: float = 3e-5
+    lr: float = 1e-4
     """Actor (denoiser) learning rate."""
     critic_lr: float = 3e-4
     """Critic learning rate."""
