@@ -267,7 +267,7 @@ class AlgoConfig:
     """Behaviour-cloning epochs over the demonstrations."""
     bc_batch_size: int = 128
     """Behaviour-cloning batch size (windows)."""
-    bc_lr: float = 1e-3
+    bc_lr: float = 3e-4
     """Behaviour-cloning peak learning rate (AdamW, cosine schedule)."""
     ema_decay: float = 0.995
     """EMA decay of the behaviour-cloning weights."""

@@ -13,7 +13,6 @@ decision, the Te executed actions in env units plus the full :class:`SampleOutpu
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -182,33 +181,23 @@ class DiffusionPolicy(PolicyBase):
             cfg.train_timesteps, cfg.ddim_steps, cfg.ft_steps, cfg.eta, cfg.min_std, cfg.clip_sample
         )
         self.ft_steps = cfg.ft_steps
-        self.compile_sampler = cfg.compile
-        """torch.compile the denoiser's sampling forward (switched off if compilation fails)."""
-        self._forward_film = None  # torch.compile'd denoiser.forward_film, built on first use
-
-    def _film_fn(self):
-        if not self.compile_sampler:
-            return self.denoiser.forward_film
-        if self._forward_film is None:
-            compiled = torch.compile(self.denoiser.forward_film, dynamic=False)
-            self._forward_film = compiled
-        return self._forward_film
+        self.sampler_backend = "compiled" if cfg.compile else "auto"
+        """DDIM loop backend: auto (the prepacked fast path on the CPU in fp32 inference, else eager) or
+        compiled (torch.compile; falls back with a one-time warning when no compiler works)."""
 
     @torch.no_grad()
     def _run_sampler(self, cond, deterministic, return_chain, generator, noise):
-        kw = dict(deterministic=deterministic, return_chain=return_chain, generator=generator, noise=noise)
-        try:
-            return ddim_sample(
-                self.denoiser, self.schedule, cond, self.horizon, forward_film=self._film_fn(), **kw
-            )
-        except Exception as exc:  # torch.compile backend missing (no compiler / unsupported device)
-            if self._forward_film is None or not self.compile_sampler:
-                raise
-            warnings.warn(
-                f"policy.compile failed ({type(exc).__name__}: {exc}); sampling eagerly", stacklevel=2
-            )
-            self.compile_sampler = False
-            return ddim_sample(self.denoiser, self.schedule, cond, self.horizon, **kw)
+        return ddim_sample(
+            self.denoiser,
+            self.schedule,
+            cond,
+            self.horizon,
+            deterministic=deterministic,
+            return_chain=return_chain,
+            generator=generator,
+            noise=noise,
+            backend=self.sampler_backend,
+        )
 
     def sample(
         self,

@@ -83,7 +83,7 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
         if not info.is_main:
             path = cached()
     policy, _, _ = load_policy(path, rt.device)
-    policy.cfg.compile = cfg.policy.compile
+    policy.sampler_backend = "compiled" if cfg.policy.compile else "auto"
     policy.set_freeze_encoders(cfg.policy.freeze_encoders or not cfg.algo.finetune_encoders)
     return policy.train(), path
 

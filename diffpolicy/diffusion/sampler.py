@@ -3,19 +3,42 @@
 :func:`ddim_sample` is the fast loop used by the policy and the benchmark: the FiLM projections of all U-Net
 blocks are computed once per chunk (:meth:`ConditionalUnet1D.film_tables`), every buffer is allocated
 before the loop, and each step writes in place (static shapes, no per-step allocation apart from the
-denoiser's own activations). :func:`ddim_sample_reference` is the plain eager loop (denoiser's ordinary
-forward, out-of-place step) that tests compare it against.
+denoiser's own activations). The denoiser call of each step is chosen by ``backend``:
+
+- ``eager``: :meth:`ConditionalUnet1D.forward_film` (any device, autocast, dtype);
+- ``fast``: :class:`~diffpolicy.diffusion.fast.FastUnet1D`, prepacked oneDNN / GEMM convolutions on
+  token-major activations (CPU, fp32, no grad, no autocast; otherwise ``eager``);
+- ``compiled``: the ``fast`` network through ``torch.compile`` (Inductor fuses the elementwise work); on
+  other devices ``torch.compile(forward_film)``. If compilation fails it warns once and uses ``fast``;
+- ``auto`` (default): ``fast`` where it is valid, else ``eager``.
+
+All backends compute the same function (fp32 summation order aside, ~1e-6). :func:`ddim_sample_reference`
+is the plain eager loop (denoiser's ordinary forward, out-of-place step) that tests compare against.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from diffpolicy.diffusion.fast import fast_path_available, fast_unet
 from diffpolicy.diffusion.schedule import NoiseSchedule, ddim_step_mean_std
 from diffpolicy.models.unet1d import ConditionalUnet1D
+
+SAMPLER_BACKENDS = ("auto", "eager", "fast", "compiled")
+"""Choices of :func:`ddim_sample`'s ``backend`` (see the module docstring)."""
+
+FilmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(x (B, Ta, Da), film (B, R)) -> eps (B, Ta, Da)."""
+
+_compile_failed = False  # set once torch.compile has failed in this process (warned once)
+_compiled_eager: Callable | None = None  # torch.compile(ConditionalUnet1D.forward_film), built on first use
+_warm_shapes: weakref.WeakKeyDictionary[ConditionalUnet1D, set] = weakref.WeakKeyDictionary()
+"""(B, Ta, device, fast) already compiled per denoiser."""
 
 
 @dataclass
@@ -44,6 +67,56 @@ def _initial(
     return torch.randn(shape, generator=generator, out=x)
 
 
+def sampler_forward(
+    denoiser: ConditionalUnet1D,
+    cond: torch.Tensor,
+    horizon: int,
+    backend: str = "auto",
+    film_dim: int | None = None,
+) -> FilmFn:
+    """The per-step denoiser call ``(x, film) -> eps`` of ``backend`` for this cond (B, cond_dim).
+
+    ``compiled`` compiles on the first use of each (B, Ta) (tens of seconds on the CPU, then cached by
+    Inductor on disk) through one warm-up call on zeros, so a failure falls back before the sampler draws
+    any random number.
+    """
+    global _compile_failed
+    if backend not in SAMPLER_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed; choose one of {', '.join(SAMPLER_BACKENDS)}")
+    fast_ok = fast_path_available(denoiser, cond)
+    if backend == "eager" or (backend != "compiled" and not fast_ok):
+        return denoiser.forward_film
+    uncompiled = fast_unet(denoiser, horizon) if fast_ok else denoiser.forward_film
+    if backend != "compiled" or _compile_failed:
+        return uncompiled
+    warm = _warm_shapes.setdefault(denoiser, set())
+    key = (cond.shape[0], horizon, cond.device, fast_ok)
+    try:
+        fn = uncompiled.compiled() if fast_ok else _compiled_forward_film(denoiser)
+        if key not in warm:  # compile now, before the sampler consumes any randomness
+            B, R = cond.shape[0], film_dim if film_dim is not None else sum(denoiser.film_splits())
+            fn(cond.new_zeros(B, horizon, denoiser.action_dim), cond.new_zeros(B, R))
+            warm.add(key)
+    except Exception as exc:  # no C++ compiler, unsupported backend or device
+        _compile_failed = True
+        warnings.warn(
+            f"torch.compile of the sampler failed ({type(exc).__name__}: {exc}); sampling uncompiled "
+            "from now on",
+            stacklevel=3,
+        )
+        return uncompiled
+    return fn
+
+
+def _compiled_forward_film(denoiser: ConditionalUnet1D) -> FilmFn:
+    """torch.compile of :meth:`ConditionalUnet1D.forward_film` (devices without the fast path)."""
+    global _compiled_eager
+    if _compiled_eager is None:
+        _compiled_eager = torch.compile(ConditionalUnet1D.forward_film, dynamic=False)
+    compiled = _compiled_eager
+    return lambda x, film: compiled(denoiser, x, film)
+
+
 def ddim_sample(
     denoiser: ConditionalUnet1D,
     schedule: NoiseSchedule,
@@ -54,19 +127,21 @@ def ddim_sample(
     return_chain: bool = False,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
-    forward_film: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    forward_film: FilmFn | None = None,
+    backend: str = "auto",
 ) -> ChainOutput:
     """Run the K DDIM steps from x_K = ``noise`` (or N(0, I)) for cond (B, cond_dim).
 
     Each step k draws x_{k-1} = mean_k + std_k z (z ~ N(0, I) from ``generator``) unless ``deterministic``
-    (then x_{k-1} = mean_k) or std_k is 0 (eta = 0 on a base step). ``forward_film`` replaces
-    ``denoiser.forward_film`` (e.g. a torch.compile'd version). Call under no_grad / inference_mode.
+    (then x_{k-1} = mean_k) or std_k is 0 (eta = 0 on a base step). The denoiser runs through ``backend``
+    (``auto`` | ``eager`` | ``fast`` | ``compiled``, see the module docstring) unless ``forward_film`` is
+    given, which then replaces ``denoiser.forward_film``. Call under no_grad / inference_mode.
     """
     B, Da, K, Kp = cond.shape[0], denoiser.action_dim, schedule.ddim_steps, schedule.ft_steps
     first = schedule.first_ft_step
-    fwd = forward_film or denoiser.forward_film
-    x = _initial((B, horizon, Da), cond.device, noise, generator)  # (B, Ta, Da)
     obs_film, step_film = denoiser.film_tables(cond, schedule.timesteps)  # (B, R), (K, R)
+    fwd = forward_film or sampler_forward(denoiser, cond, horizon, backend, obs_film.shape[1])
+    x = _initial((B, horizon, Da), cond.device, noise, generator)  # (B, Ta, Da)
     film = torch.empty_like(obs_film)
     x0_buf, mean_buf = torch.empty_like(x), torch.empty_like(x)
     z = None if deterministic else torch.empty_like(x)

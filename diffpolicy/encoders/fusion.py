@@ -132,7 +132,12 @@ class ObservationEncoder(nn.Module):
         self.type_embed = nn.ParameterDict({k: nn.Parameter(torch.zeros(D)) for k in self.modalities})
         self.readout = nn.Parameter(torch.randn(D) * 0.02)
         self.layers = nn.ModuleList(AttentionBlock(D, cfg.fusion_heads) for _ in range(cfg.fusion_layers))
-        out_in = 2 * D if self.use_text else D
+        # The readout token alone tends to average the modalities away (BC then learns an almost
+        # unconditional policy), so the head reads every fused token: 1 readout + L modality tokens.
+        self.n_tokens = 1 + n_obs_steps * sum(
+            getattr(self.encoders[k], "n_tokens", 1) for k in self.modalities
+        )
+        out_in = self.n_tokens * D + (D if self.use_text else 0)
         self.head = nn.Sequential(nn.LayerNorm(out_in), nn.Linear(out_in, cond_dim))
 
     def _ckpt(self, fn: Any, *args: Any) -> torch.Tensor:
@@ -161,6 +166,9 @@ class ObservationEncoder(nn.Module):
                 raise ValueError(
                     f"obs[{k!r}] has To={To} steps but the policy keeps n_obs_steps={self.n_obs_steps}"
                 )
+            if To < self.n_obs_steps:  # a short history (episode start): repeat its oldest step
+                pad = x[:, :1].expand(B, self.n_obs_steps - To, *x.shape[2:])
+                x, To = torch.cat([pad, x], dim=1), self.n_obs_steps  # (B, To, ...)
             flat = x.reshape(B * To, *x.shape[2:])  # (B To, ...)
             if k == "state":
                 t = self._ckpt(self.encoders[k], self.state_normalizer.normalize(flat.float()))
@@ -175,7 +183,12 @@ class ObservationEncoder(nn.Module):
         seq = torch.cat([self.readout.expand(B, 1, -1), *tokens], dim=1)  # (B, 1 + L, D)
         for layer in self.layers:
             seq = self._ckpt(layer, seq)
-        out = seq[:, 0]  # (B, D)
+        if seq.shape[1] != self.n_tokens:
+            raise ValueError(
+                f"observation gives {seq.shape[1] - 1} tokens, the policy expects {self.n_tokens - 1} "
+                f"(To={self.n_obs_steps} steps of every modality)"
+            )
+        out = seq.flatten(1)  # (B, (1 + L) D): the readout and every fused modality token
         if self.use_text:
             instr = obs["instruction"]
             instr = [str(s) for s in (instr.tolist() if isinstance(instr, np.ndarray) else instr)]
