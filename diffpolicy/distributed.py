@@ -107,6 +107,9 @@ def process_group(
     )
     try:
         yield info
+        # Leave together: a peer that tears its connections down while another rank is still finishing
+        # its last collective makes gloo abort that rank. (Not on an exception: the others are gone.)
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
