@@ -50,7 +50,7 @@ def _run(nproc: int, threads: int, overrides: list[str], run_dir: Path) -> float
 
 def run(
     repeats: int = 1,
-    iterations: int = 4,
+    iterations: int = 8,
     env: str = "mujoco_pick",
     num_envs: int = 4,
     n_steps: int = 4,
