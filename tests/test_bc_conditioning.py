@@ -1,0 +1,45 @@
+"""Behaviour cloning must learn to use the observation: a toy task where the action is a function of the state."""
+
+from __future__ import annotations
+
+import torch
+
+from diffpolicy.config import EncoderConfig, PolicyConfig
+from diffpolicy.policy import make_policy
+
+
+def test_bc_learns_the_condition_on_a_toy_task() -> None:
+    torch.manual_seed(0)
+    cfg = PolicyConfig(
+        down_dims=[32, 64],
+        horizon=16,
+        n_action_steps=8,
+        cond_dim=64,
+        step_embed_dim=32,
+        encoder=EncoderConfig(token_dim=32, state_hidden=64),
+    )
+    policy = make_policy(cfg, {"state": [4]}, 2)
+    n = 2048
+    state = torch.rand(n, 4) * 2 - 1  # (n, Ds)
+    actions = (
+        torch.stack([state[:, 0], -state[:, 1]], -1)[:, None].expand(n, 16, 2).contiguous()
+    )  # (n, Ta, Da)
+    policy.fit_normalizers(actions=actions.reshape(-1, 2), state=state)
+    optim = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        idx = torch.randint(0, n, (128,), generator=gen)
+        loss = policy.bc_loss({"state": state[idx, None]}, actions[idx])
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    with torch.no_grad():
+        cond = policy.encode({"state": state[:256, None]}, augment=False)  # (256, cond_dim)
+        x0 = policy.action_normalizer.normalize(actions[:256])
+        t = torch.full((256,), 10)
+        a = policy.schedule.alphas_cumprod[t].view(-1, 1, 1)
+        noise = torch.randn(x0.shape, generator=gen)
+        x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
+        right = (policy.denoiser(x_t, t, cond) - noise).square().mean()
+        shuffled = (policy.denoiser(x_t, t, cond[torch.randperm(256, generator=gen)]) - noise).square().mean()
+    assert shuffled > 3 * right, (float(right), float(shuffled))
