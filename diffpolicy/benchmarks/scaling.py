@@ -42,10 +42,9 @@ def _run(nproc: int, threads: int, overrides: list[str], run_dir: Path) -> float
         raise RuntimeError(
             f"scaling run with {nproc} process(es) failed: {out.stderr.strip().splitlines()[-1:]}"
         )
-    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "time/iteration_s" in r][1:]
-    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "time/iteration_s" in r]
-    ppo_steps = steps[-1] - steps[0]
-    return ppo_steps / sum(r["time/iteration_s"] for r in rows)
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "time/iteration_s" in r]
+    # the first (warm-up) iteration is left out: its steps and its time
+    return (rows[-1]["step"] - rows[0]["step"]) / sum(r["time/iteration_s"] for r in rows[1:])
 
 
 def run(

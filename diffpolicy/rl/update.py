@@ -90,6 +90,9 @@ def ppo_update(
     params = learner.params()
     sums: dict[str, float] = defaultdict(float)
     count, skipped, epochs_run = 0, 0, 0
+    # Frozen encoders give back the condition stored at rollout time (the reference policy's too: its
+    # encoders are the same frozen copy), so the minibatch observations need not be rebuilt or re-encoded.
+    reuse_cond = bool(getattr(policy, "encoders_frozen", False)) and "cond" in buffer.fields
     for _ in range(cfg.update_epochs):
         epoch_kl, epoch_n = 0.0, 0
         extra = {"advantages": advantages, "returns": returns}
@@ -98,13 +101,10 @@ def ppo_update(
             if int(keep.sum()) < 2:
                 continue
             mb = {k: v[keep] for k, v in mb.items()}
-            obs = batch_obs(mb, buffer)
+            obs = None if reuse_cond else batch_obs(mb, buffer)
             chain, old_logp = mb["chains"], mb["logprobs"]  # (B, K'+1, Ta, Da), (B, K')
             with runtime.autocast():
-                if getattr(policy, "encoders_frozen", False) and "cond" in mb:
-                    cond = mb["cond"]  # (B, cond_dim) stored at rollout time: frozen encoders give the same
-                else:
-                    cond = policy.encode(obs, augment=False)  # (B, cond_dim)
+                cond = mb["cond"] if reuse_cond else policy.encode(obs, augment=False)  # (B, cond_dim)
                 new_logp = policy.log_prob(chain, cond=cond).float()  # (B, K') fp32
             adv = mb["advantages"].float()
             if cfg.norm_adv:
@@ -122,7 +122,8 @@ def ppo_update(
                 with runtime.autocast():
                     mean, std = policy.transition_mean_std(chain, cond)  # (B, K', Ta, Da)
                 with torch.no_grad(), runtime.autocast():
-                    ref_mean, _ = learner.reference.transition_mean_std(chain, learner.reference.encode(obs))
+                    ref_cond = cond if reuse_cond else learner.reference.encode(obs)
+                    ref_mean, _ = learner.reference.transition_mean_std(chain, ref_cond)
                 reg = regularizer("kl", means=mean.float(), ref_means=ref_mean.float(), stds=std)
                 loss = loss + cfg.reg_coef * reg
             learner.actor_optim.zero_grad(set_to_none=True)
