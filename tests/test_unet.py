@@ -8,10 +8,32 @@ from diffpolicy.models.unet1d import ConditionalUnet1D
 B, TA, DA, COND = 3, 16, 7, 24
 
 
-def make(conditioning: str = "film", seed: int = 0) -> ConditionalUnet1D:
+def make(conditioning: str = "film", seed: int = 0, trained: bool = True) -> ConditionalUnet1D:
+    """A small U-Net; ``trained`` gives the (zero-initialised) observation columns random values, as after
+    training, so that the tests below exercise the condition path."""
     torch.manual_seed(seed)
-    return ConditionalUnet1D(DA, COND, [16, 32, 32], kernel_size=5, n_groups=4, step_embed_dim=16,
-                             conditioning=conditioning).eval()  # fmt: skip
+    net = ConditionalUnet1D(DA, COND, [16, 32, 32], kernel_size=5, n_groups=4, step_embed_dim=16,
+                            conditioning=conditioning).eval()  # fmt: skip
+    if trained:
+        with torch.no_grad():
+            for b in net.res_blocks():
+                b.cond_proj.weight[:, 16:].normal_(0.0, 0.2)
+    return net
+
+
+@pytest.mark.parametrize("conditioning", ["film", "adanorm"])
+def test_condition_starts_at_zero_and_learns(conditioning):
+    """At initialisation the observation cannot change the output (no noise injected by the encoder), but
+    the observation columns receive gradient, and one optimiser step makes the output depend on it."""
+    net = make(conditioning, trained=False).train()
+    x, cond, t = torch.randn(B, TA, DA), torch.randn(B, COND), torch.tensor([3, 50, 99])
+    torch.testing.assert_close(net(x, t, cond), net(x, t, cond + 1.0))
+    target = torch.randn(B, TA, DA)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    (net(x, t, cond) - target).square().mean().backward()
+    assert all(b.cond_proj.weight.grad[:, 16:].abs().sum() > 0 for b in net.res_blocks())
+    opt.step()
+    assert not torch.allclose(net(x, t, cond), net(x, t, cond + 1.0), atol=1e-5)
 
 
 @pytest.mark.parametrize("conditioning", ["film", "adanorm"])

@@ -133,12 +133,14 @@ class ObservationEncoder(nn.Module):
         self.readout = nn.Parameter(torch.randn(D) * 0.02)
         self.layers = nn.ModuleList(AttentionBlock(D, cfg.fusion_heads) for _ in range(cfg.fusion_layers))
         # The readout token alone tends to average the modalities away (BC then learns an almost
-        # unconditional policy), so the head reads every fused token: 1 readout + L modality tokens.
+        # unconditional policy), so the head reads every fused token: 1 readout + L modality tokens. No
+        # LayerNorm before it: normalising the concatenation let training shrink the observation-dependent
+        # part relative to a growing constant (the condition collapsed to ~3 % variation).
         self.n_tokens = 1 + n_obs_steps * sum(
             getattr(self.encoders[k], "n_tokens", 1) for k in self.modalities
         )
         out_in = self.n_tokens * D + (D if self.use_text else 0)
-        self.head = nn.Sequential(nn.LayerNorm(out_in), nn.Linear(out_in, cond_dim))
+        self.head = nn.Linear(out_in, cond_dim)
 
     def _ckpt(self, fn: Any, *args: Any) -> torch.Tensor:
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():

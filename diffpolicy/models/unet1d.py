@@ -11,6 +11,7 @@ Because Mish acts elementwise, a block's condition projection splits exactly int
 observation part: ``W [mish(s); mish(c)] + b = W_s mish(s) + W_c mish(c) + b``. :meth:`ConditionalUnet1D.film_tables`
 uses this to compute, once per sampled chunk, the observation part for the batch and the step part for the
 K fixed DDIM timesteps; each denoising step then only adds two rows (:meth:`ConditionalUnet1D.forward_film`).
+The observation columns of every FiLM projection start at zero (:meth:`ConditionalUnet1D.zero_init_condition`).
 The last 1x1 convolution always runs in float32 outside autocast (``fp32_head``), so PPO log-probabilities
 are computed from an fp32 noise prediction.
 """
@@ -128,6 +129,20 @@ class ConditionalUnet1D(nn.Module):
             self.upsample.append(nn.ConvTranspose1d(a, a, 4, stride=2, padding=1))
         self.final_block = Conv1dBlock(down_dims[0], down_dims[0], kernel_size, n_groups)
         self.final_proj = nn.Conv1d(down_dims[0], action_dim, 1)
+        self.zero_init_condition()
+
+    def zero_init_condition(self) -> None:
+        """Zero the observation columns of every block's FiLM projection (the step columns stay random).
+
+        With random columns, a fresh network turns every difference between observations into noise on its
+        output; behaviour cloning then lowers the loss fastest by making the encoder's output constant, and
+        the policy ends up unconditional (measured on MujocoPick: the fused condition varied 3 % across
+        observations and the loss was the same with shuffled conditions). Starting from zero (as
+        adaLN-Zero does in DiT), the observation enters only along directions that lower the loss.
+        """
+        with torch.no_grad():
+            for b in self.res_blocks():
+                b.cond_proj.weight[:, self.step_embed_dim :].zero_()
 
     # ----------------------------------------------------------------------------------------- blocks
     def res_blocks(self) -> list[CondResBlock1d]:
