@@ -39,6 +39,9 @@ OBS_KEYS = ("rgb", "points", "state", "instruction")
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 KEY_IGNORED_FIELDS = ("num_envs", "vectorization")
+DEMOS_VERSION = 4
+"""Part of the cache key; bumped when an environment's action or observation semantics change
+(4: MujocoPick actions became tool waypoints)."""
 """EnvConfig fields that do not change what a demonstration holds (left out of the cache key)."""
 
 
@@ -158,7 +161,9 @@ def collect_demos(
 def demos_key(env_cfg: EnvConfig, n_episodes: int, seed: int) -> str:
     """Short hash naming a cached dataset: the environment's data-relevant fields, episode count and seed."""
     env = {k: v for k, v in dataclasses.asdict(env_cfg).items() if k not in KEY_IGNORED_FIELDS}
-    blob = json.dumps({"env": env, "n": n_episodes, "seed": seed}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {"env": env, "n": n_episodes, "seed": seed, "version": DEMOS_VERSION}, sort_keys=True, default=str
+    )
     return f"{env_cfg.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 

@@ -19,7 +19,15 @@ from gymnasium.utils.env_checker import check_env
 import diffpolicy_envs
 from diffpolicy_envs.adapters import BoxEnvAdapter, make_env
 from diffpolicy_envs.experts import evaluate_expert, make_expert, run_episode
-from diffpolicy_envs.mujoco_pick import COLORS, MujocoPickEnv
+from diffpolicy_envs.mujoco_pick import (
+    COLORS,
+    HOME_YAW,
+    MAX_TOOL_STEP,
+    MujocoPickEnv,
+    pose_action,
+    rotation_error,
+    tool_rotation,
+)
 from diffpolicy_envs.vector import make_vec_env
 
 ENVS_DIR = pathlib.Path(diffpolicy_envs.__file__).parent
@@ -149,6 +157,7 @@ def test_bad_actions(env_id, dim):
         ({"obs_mode": "pixels"}, "obs_mode"),
         ({"obs_every": 0}, "obs_every"),
         ({"reward_weights": {"speed": 1.0}}, "reward term"),
+        ({"action_mode": "torque"}, "action_mode"),
     ],
 )
 def test_invalid_options_fail_at_construction(kwargs, match):
@@ -246,8 +255,31 @@ def test_async_vector_env_matches_sync():
         np.testing.assert_allclose(sync[key], asyn[key], atol=1e-6)
 
 
-def test_pick_expert_succeeds_in_state_mode():
-    assert evaluate_expert("MujocoPick-v0", n_episodes=10, seed=1000, obs_mode="state") == 1.0
+@pytest.mark.parametrize("action_mode", ["pose", "absolute", "delta"])
+def test_pick_expert_succeeds_in_state_mode(action_mode):
+    rate = evaluate_expert(
+        "MujocoPick-v0", n_episodes=10, seed=1000, obs_mode="state", action_mode=action_mode
+    )
+    assert rate == 1.0
+
+
+def test_pose_action_is_a_waypoint_reached_at_limited_speed():
+    """Repeating one pose action moves the tool there at <= MAX_TOOL_STEP per step (plus tracking lag) and
+    holds it within a few millimetres, jaws at the commanded yaw."""
+    env = MujocoPickEnv(obs_mode="state")
+    env.reset(seed=3)
+    goal, yaw = np.array([0.5, -0.1, 0.12]), HOME_YAW + 0.4
+    action = pose_action(goal, yaw, grip=-1.0)
+    assert action.shape == (7,) and np.all(np.abs(action) <= 1)
+    prev = env.ee_pos()
+    for _ in range(60):
+        env.step(action)
+        commanded = env.tool_pos_at(env.q_target)
+        assert np.linalg.norm(commanded - prev) <= MAX_TOOL_STEP + 1e-9
+        prev = commanded
+    assert np.linalg.norm(env.ee_pos() - goal) < 0.005
+    mat = env.data.site_xmat[env.grip_site].reshape(3, 3)
+    assert np.linalg.norm(rotation_error(mat, tool_rotation(yaw))) < 0.02
 
 
 def test_pick_expert_succeeds_with_multimodal_obs():

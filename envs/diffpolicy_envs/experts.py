@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import gymnasium as gym
-import mujoco
 import numpy as np
 
 from diffpolicy_envs.mujoco_pick import (
@@ -26,50 +25,39 @@ from diffpolicy_envs.mujoco_pick import (
     MAX_JOINT_DELTA,
     TRAY_FLOOR_Z,
     MujocoPickEnv,
+    pose_action,
+    rotation_error,
+    tool_rotation,
 )
 from diffpolicy_envs.obstacle_reach import ObstacleReachEnv
 
 OPEN, CLOSE = -1.0, 1.0
 
 
-def _yaw_rotation(yaw: float) -> np.ndarray:
-    """Tool orientation (3, 3) pointing straight down with the jaw axis at ``yaw`` (rad) in the table plane.
-
-    Columns are the tool frame axes in the base frame: x = approach (down), y = jaw opening direction.
-    """
-    c, s = np.cos(yaw), np.sin(yaw)
-    return np.array([[0.0, c, s], [0.0, s, -c], [-1.0, 0.0, 0.0]])
-
-
 class PickExpert:
-    """Pick-and-place state machine with damped least-squares IK on MuJoCo site Jacobians.
+    """Pick-and-place state machine over tool poses (the environment's damped least-squares IK does the rest).
 
     Phases: approach (above the cube, jaws aligned with its faces) -> descend -> grasp (close, wait) ->
     lift -> transport (above the tray) -> lower -> release -> retreat. Each step the tool goal of the phase
-    is approached by at most ``step_len`` metres along a straight line; IK (6-D: position and orientation)
-    turns that pose into joint targets, and the action is the joint target change divided by
-    ``MAX_JOINT_DELTA`` (scaled down as a whole vector if any component would exceed 1). If the cube slips
-    out of the gripper the expert starts again from the approach.
+    is approached by at most ``step_len`` metres along a straight line from the tool position at the current
+    joint targets, and the action is the joint targets the environment's IK gives for that pose
+    (``absolute``) or their change divided by ``MAX_JOINT_DELTA``, scaled down
+    as a whole vector if any component would exceed 1 (``delta``). With ``action_mode="pose"`` the action is
+    the phase's goal pose itself and the environment limits the speed. If the cube slips out of the gripper the
+    expert starts again from the approach.
 
     Args:
         env: a ``MujocoPick-v0`` env (wrapped or not).
         step_len: largest tool displacement (m) commanded per control step in free space.
         fine_step_len: largest tool displacement (m) per step when descending onto the cube or the tray.
-        damping: DLS damping lambda (m or rad).
     """
 
-    def __init__(
-        self, env: gym.Env, step_len: float = 0.016, fine_step_len: float = 0.01, damping: float = 0.03
-    ):
+    def __init__(self, env: gym.Env, step_len: float = 0.016, fine_step_len: float = 0.01):
         u = env.unwrapped
         if not isinstance(u, MujocoPickEnv):
             raise ValueError(f"PickExpert needs a MujocoPickEnv, got {type(u).__name__}")
         self.step_len = step_len
         self.fine_step_len = fine_step_len
-        self.damping = damping
-        self._scratch = mujoco.MjData(u.model)
-        self._jacp = np.zeros((3, u.model.nv))
-        self._jacr = np.zeros((3, u.model.nv))
         self._episode = -1
         self.reset()
 
@@ -130,9 +118,19 @@ class PickExpert:
         if self.phase == "retreat":
             goal, grip = np.array([*u.tray_pos[:2], above + 0.04]), OPEN
 
-        q_goal = self._ik(u, goal, _yaw_rotation(self._yaw), self.fine_step_len if fine else self.step_len)
+        if u.action_mode == "pose":  # the phase's goal itself: the environment limits the tool's speed
+            return pose_action(goal, self._yaw, grip)
+        step = self.fine_step_len if fine else self.step_len
+        start = u.tool_pos_at(u.q_target)
+        delta = goal - start
+        dist = float(np.linalg.norm(delta))
+        target = goal if dist <= step else start + delta * (step / dist)
+        q_goal = u.solve_ik(target, tool_rotation(self._yaw), u.q_target)
         dq = (q_goal - u.q_target) / MAX_JOINT_DELTA
         dq /= max(1.0, float(np.abs(dq).max()))
+        if u.action_mode == "absolute":  # the same rate-limited target, expressed in the joint ranges
+            joint = np.clip(u.q_target + MAX_JOINT_DELTA * dq, u.joint_low, u.joint_high)
+            dq = 2.0 * (joint - u.joint_low) / (u.joint_high - u.joint_low) - 1.0
         return np.append(dq, grip).astype(np.float32)
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -146,48 +144,7 @@ class PickExpert:
 
     def _orientation_error(self, u: MujocoPickEnv) -> float:
         mat = u.data.site_xmat[u.grip_site].reshape(3, 3)
-        return float(np.linalg.norm(self._rotation_error(mat, _yaw_rotation(self._yaw))))
-
-    @staticmethod
-    def _rotation_error(mat: np.ndarray, mat_goal: np.ndarray) -> np.ndarray:
-        """Rotation vector (3,) (rad, base frame), small-angle form, that turns ``mat`` toward ``mat_goal``."""
-        return 0.5 * (
-            np.cross(mat[:, 0], mat_goal[:, 0])
-            + np.cross(mat[:, 1], mat_goal[:, 1])
-            + np.cross(mat[:, 2], mat_goal[:, 2])
-        )
-
-    def _ik(self, u: MujocoPickEnv, goal: np.ndarray, rot_goal: np.ndarray, step: float) -> np.ndarray:
-        """Joint targets (6,) rad that move the tool from its pose at ``u.q_target`` toward ``goal``.
-
-        The commanded position is at most ``step`` metres from the tool position at the current joint
-        targets; three damped least-squares iterations on a scratch MjData solve for it.
-        """
-        m, s = u.model, self._scratch
-        q = u.q_target.copy()
-        s.qpos[u.arm_qpos_adr] = q
-        mujoco.mj_kinematics(m, s)
-        start = s.site_xpos[u.grip_site].copy()
-        delta = goal - start
-        dist = np.linalg.norm(delta)
-        target = goal if dist <= step else start + delta * (step / dist)
-        lam2 = self.damping**2
-        for it in range(3):
-            if it > 0:
-                s.qpos[u.arm_qpos_adr] = q
-                mujoco.mj_kinematics(m, s)
-            mujoco.mj_comPos(m, s)
-            mujoco.mj_jacSite(m, s, self._jacp, self._jacr, u.grip_site)
-            err = np.concatenate(
-                [
-                    target - s.site_xpos[u.grip_site],
-                    self._rotation_error(s.site_xmat[u.grip_site].reshape(3, 3), rot_goal),
-                ]
-            )  # (6,): position (m) and rotation (rad) errors
-            jac = np.vstack([self._jacp[:, u.arm_dof_adr], self._jacr[:, u.arm_dof_adr]])  # (6, 6)
-            dq = jac.T @ np.linalg.solve(jac @ jac.T + lam2 * np.eye(6), err)
-            q = np.clip(q + dq, u.joint_low, u.joint_high)
-        return q
+        return float(np.linalg.norm(rotation_error(mat, tool_rotation(self._yaw))))
 
 
 class ReachExpert:

@@ -9,15 +9,30 @@ origin on the table top under the arm, x forward, y left, z up; units are metres
 Control runs at 10 Hz: one ``step`` holds the action for ``N_SUBSTEPS`` = 20 physics steps of 5 ms.
 
 Action, ``Box(-1, 1, (7,), float32)`` (values outside [-1, 1] are clipped; NaN/inf or another shape raise
-``ValueError``):
+``ValueError``). With ``action_mode="pose"`` (default) the action is a target pose of the tool, every component
+mapped linearly from [-1, 1]:
 
-| index | meaning | unit |
+| index | meaning | range |
 |---|---|---|
-| 0-5 | change of the joint position targets of joints 1-6, ``MAX_JOINT_DELTA`` = 0.1 rad per unit | rad / 0.1 s |
-| 6 | gripper command: -1 fully open (8.4 cm between the jaws) .. +1 closed, absolute, not a delta | - |
+| 0-2 | tool point position x, y, z (m, base frame) | ``TOOL_LOW`` .. ``TOOL_HIGH`` |
+| 3-4 | roll, pitch of the tool about its own x, y axes, from pointing straight down (rad) | +-``TILT_RANGE`` |
+| 5 | yaw of the jaw axis in the table plane (rad) | ``HOME_YAW`` +- pi/2 |
+| 6 | gripper command: -1 fully open (8.4 cm between the jaws) .. +1 closed | - |
 
-The joint targets integrate the deltas, are clipped to the joint ranges and are kept within
-``MAX_TARGET_LEAD`` = 0.3 rad of the measured joint positions (no wind-up when the arm is blocked).
+Each step the commanded tool position moves toward the action's position by at most ``MAX_TOOL_STEP``
+(1.2 cm, from the tool position at the current joint targets), and three damped least-squares IK iterations
+from the current joint targets turn that pose into joint targets (:meth:`MujocoPickEnv.solve_ik`); an
+action is therefore a waypoint the tool travels to, and the same action repeated gets there. With ``action_mode="absolute"`` indices 0-5 are joint position
+targets (-1 .. +1 onto each joint's range), with ``action_mode="delta"`` changes of the joint targets,
+``MAX_JOINT_DELTA`` = 0.1 rad per unit. In every mode the joint targets are clipped to the joint ranges and
+kept within ``MAX_TARGET_LEAD`` = 0.3 rad of the measured joint positions (no wind-up when the arm is
+blocked).
+
+Why pose targets by default: a policy cloned from 100 demonstrations has to generalise from where the cube is
+to what to command. With waypoints in tool space that map is close to the identity (the cube's position plus
+an offset); in joint space it is the arm's inverse kinematics, and cloned policies (joint deltas or joint
+targets alike) stopped 4-7 cm short of the cube. Chi et al. report the same preference for position over
+velocity control.
 
 Observation, a ``Dict`` space. With ``obs_mode="multimodal"`` (default):
 
@@ -114,6 +129,52 @@ POINT_BOX_HIGH = np.array([0.85, 0.45, 0.6])
 """Upper corner (m, base frame) of the workspace box the point cloud is cropped to."""
 DEFAULT_REWARD_WEIGHTS = {"success": 5.0, "distance_improvement": 0.8, "smoothness": 0.2}
 OBS_MODES = ("multimodal", "state")
+ACTION_MODES = ("pose", "absolute", "delta")
+TOOL_LOW = np.array([0.15, -0.45, 0.0])
+"""Tool position (m, base frame) of a pose action component of -1."""
+TOOL_HIGH = np.array([0.75, 0.45, 0.45])
+"""Tool position (m, base frame) of a pose action component of +1."""
+MAX_TOOL_STEP = 0.012
+"""Largest move (m) of the commanded tool position per control step in pose mode."""
+TILT_RANGE = 0.5
+"""Largest roll / pitch (rad) of a pose action."""
+HOME_YAW = np.pi / 2
+"""Jaw yaw (rad) at ``HOME_QPOS``; pose actions span HOME_YAW +- pi/2."""
+IK_DAMPING = 0.03
+"""Damping lambda (m or rad) of the damped least-squares IK."""
+
+
+def tool_rotation(yaw: float, roll: float = 0.0, pitch: float = 0.0) -> np.ndarray:
+    """Tool orientation (3, 3): pointing down with the jaw axis at ``yaw`` (rad), then tilted by ``roll`` and
+    ``pitch`` (rad) about the tool's own x and y axes. Columns are the tool axes in the base frame: x = approach
+    (down), y = jaw opening direction."""
+    c, s = np.cos(yaw), np.sin(yaw)
+    rot = np.array([[0.0, c, s], [0.0, s, -c], [-1.0, 0.0, 0.0]])
+    if roll or pitch:
+        cr, sr, cp, sp = np.cos(roll), np.sin(roll), np.cos(pitch), np.sin(pitch)
+        rot = rot @ np.array([[1.0, 0.0, 0.0], [0.0, cr, -sr], [0.0, sr, cr]])
+        rot = rot @ np.array([[cp, 0.0, sp], [0.0, 1.0, 0.0], [-sp, 0.0, cp]])
+    return rot
+
+
+def rotation_error(mat: np.ndarray, mat_goal: np.ndarray) -> np.ndarray:
+    """Rotation vector (3,) (rad, base frame), small-angle form, that turns ``mat`` toward ``mat_goal``."""
+    return 0.5 * (
+        np.cross(mat[:, 0], mat_goal[:, 0])
+        + np.cross(mat[:, 1], mat_goal[:, 1])
+        + np.cross(mat[:, 2], mat_goal[:, 2])
+    )
+
+
+def pose_action(
+    pos: np.ndarray, yaw: float, grip: float, roll: float = 0.0, pitch: float = 0.0
+) -> np.ndarray:
+    """A pose-mode action (7,) float32 for tool position ``pos`` (m), jaw ``yaw`` (rad), gripper command."""
+    xyz = 2.0 * (np.asarray(pos) - TOOL_LOW) / (TOOL_HIGH - TOOL_LOW) - 1.0
+    y = (yaw - HOME_YAW) / (np.pi / 2)
+    return np.array([*xyz, roll / TILT_RANGE, pitch / TILT_RANGE, y, grip], dtype=np.float32)
+
+
 ARM_JOINTS = ("j1", "j2", "j3", "j4", "j5", "j6")
 STATE_DIM = {"multimodal": 13, "state": 31}
 
@@ -134,6 +195,8 @@ class MujocoPickEnv(gym.Env):
         obs_every: render ``rgb``/``points`` on every k-th step only, repeating them in between.
         target_color: None (drawn per episode) or one of "red", "green", "blue" (fixed target).
         reward_weights: weights of the reward terms; missing names keep their default weight.
+        action_mode: "pose" (tool pose targets), "absolute" (joint targets) or "delta" (joint target changes);
+            see the module docstring.
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
@@ -148,6 +211,7 @@ class MujocoPickEnv(gym.Env):
         obs_every: int = 1,
         target_color: str | None = None,
         reward_weights: dict[str, float] | None = None,
+        action_mode: str = "pose",
     ) -> None:
         if obs_mode not in OBS_MODES:
             raise ValueError(f"obs_mode must be one of {OBS_MODES}, got {obs_mode!r}")
@@ -161,6 +225,8 @@ class MujocoPickEnv(gym.Env):
             raise ValueError(f"render_size must be a positive integer, got {render_size!r}")
         if int(obs_every) != obs_every or obs_every < 1:
             raise ValueError(f"obs_every must be a positive integer, got {obs_every!r}")
+        if action_mode not in ACTION_MODES:
+            raise ValueError(f"action_mode must be one of {ACTION_MODES}, got {action_mode!r}")
         if target_color is not None and target_color not in COLORS:
             raise ValueError(f"target_color must be None or one of {COLORS}, got {target_color!r}")
         weights = dict(DEFAULT_REWARD_WEIGHTS)
@@ -177,6 +243,7 @@ class MujocoPickEnv(gym.Env):
         self.obs_every = int(obs_every)
         self.target_color = target_color
         self.reward_weights = weights
+        self.action_mode = action_mode
 
         self.model = mujoco.MjModel.from_xml_path(_asset_path("pick.xml"))
         self.data = mujoco.MjData(self.model)
@@ -197,6 +264,9 @@ class MujocoPickEnv(gym.Env):
         self.cube_qpos_adr = np.array([m.joint(f"cube_{c}").qposadr[0] for c in COLORS])
         self.cube_dof_adr = np.array([m.joint(f"cube_{c}").dofadr[0] for c in COLORS])
         self.camera = m.camera("front").id
+        self._ik_data = mujoco.MjData(m)
+        self._jacp = np.zeros((3, m.nv))
+        self._jacr = np.zeros((3, m.nv))
 
         obs_spaces: dict[str, spaces.Space] = {
             "state": spaces.Box(-np.inf, np.inf, (STATE_DIM[obs_mode],), np.float32),
@@ -292,7 +362,18 @@ class MujocoPickEnv(gym.Env):
         m, d = self.model, self.data
 
         q = d.qpos[self.arm_qpos_adr]
-        target = np.clip(self.q_target + MAX_JOINT_DELTA * a[:6], self.joint_low, self.joint_high)
+        if self.action_mode == "pose":
+            pos = TOOL_LOW + 0.5 * (a[:3] + 1.0) * (TOOL_HIGH - TOOL_LOW)
+            start = self.tool_pos_at(self.q_target)
+            dist = float(np.linalg.norm(pos - start))
+            if dist > MAX_TOOL_STEP:
+                pos = start + (pos - start) * (MAX_TOOL_STEP / dist)
+            rot = tool_rotation(HOME_YAW + a[5] * np.pi / 2, a[3] * TILT_RANGE, a[4] * TILT_RANGE)
+            target = self.solve_ik(pos, rot, self.q_target)
+        elif self.action_mode == "absolute":
+            target = self.joint_low + 0.5 * (a[:6] + 1.0) * (self.joint_high - self.joint_low)
+        else:
+            target = np.clip(self.q_target + MAX_JOINT_DELTA * a[:6], self.joint_low, self.joint_high)
         self.q_target = np.clip(target, q - MAX_TARGET_LEAD, q + MAX_TARGET_LEAD)
         d.ctrl[:6] = self.q_target
         d.ctrl[6:8] = FINGER_OPEN * 0.5 * (1.0 - a[6])
@@ -371,6 +452,40 @@ class MujocoPickEnv(gym.Env):
         """Yaw (rad) of cube i about the vertical axis."""
         mat = self.data.xmat[self.cube_bodies[i]].reshape(3, 3)
         return float(np.arctan2(mat[1, 0], mat[0, 0]))
+
+    def solve_ik(
+        self, pos: np.ndarray, rot: np.ndarray, q_start: np.ndarray, iterations: int = 3
+    ) -> np.ndarray:
+        """Joint targets (6,) rad that put the tool at ``pos`` (3,) m with orientation ``rot`` (3, 3).
+
+        ``iterations`` damped least-squares steps (``IK_DAMPING``) on a scratch MjData from ``q_start``, each
+        clipped to the joint ranges; far goals are therefore approached, not reached, in one call.
+        """
+        m, s = self.model, self._ik_data
+        q = np.asarray(q_start, dtype=np.float64).copy()
+        lam2 = IK_DAMPING**2
+        for _ in range(iterations):
+            s.qpos[self.arm_qpos_adr] = q
+            mujoco.mj_kinematics(m, s)
+            mujoco.mj_comPos(m, s)
+            mujoco.mj_jacSite(m, s, self._jacp, self._jacr, self.grip_site)
+            err = np.concatenate(
+                [
+                    pos - s.site_xpos[self.grip_site],
+                    rotation_error(s.site_xmat[self.grip_site].reshape(3, 3), rot),
+                ]
+            )  # (6,): position (m) and rotation (rad) errors
+            jac = np.vstack([self._jacp[:, self.arm_dof_adr], self._jacr[:, self.arm_dof_adr]])  # (6, 6)
+            dq = jac.T @ np.linalg.solve(jac @ jac.T + lam2 * np.eye(6), err)
+            q = np.clip(q + dq, self.joint_low, self.joint_high)
+        return q
+
+    def tool_pos_at(self, q: np.ndarray) -> np.ndarray:
+        """Tool point position (3,) m for arm joint positions ``q`` (6,), by forward kinematics."""
+        s = self._ik_data
+        s.qpos[self.arm_qpos_adr] = q
+        mujoco.mj_kinematics(self.model, s)
+        return s.site_xpos[self.grip_site].copy()
 
     def ee_pos(self) -> np.ndarray:
         """Position (3,) of the gripper tool point between the jaws (m, base frame)."""
