@@ -269,6 +269,9 @@ class AlgoConfig:
     """Behaviour-cloning batch size (windows)."""
     bc_lr: float = 3e-4
     """Behaviour-cloning peak learning rate (AdamW, cosine schedule)."""
+    bc_max_grad_norm: float = 10.0
+    """Behaviour-cloning gradient clipping by global norm (0 disables); a safety net, separate from PPO's
+    ``max_grad_norm`` (1.0 slowed behaviour cloning down several-fold)."""
     ema_decay: float = 0.995
     """EMA decay of the behaviour-cloning weights."""
     n_demos: int = 100
@@ -288,7 +291,7 @@ class AlgoConfig:
             _positive(f"algo.{name}", getattr(self, name))
         for name in ("lr", "critic_lr", "bc_lr", "clip_eps", "clip_eps_final", "grad_spike_sigma"):
             _positive(f"algo.{name}", getattr(self, name))
-        for name in ("weight_decay", "vf_coef", "target_kl", "max_grad_norm", "reg_coef"):
+        for name in ("weight_decay", "vf_coef", "target_kl", "max_grad_norm", "bc_max_grad_norm", "reg_coef"):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
         for name in ("gamma", "gae_lambda", "denoise_gamma", "ema_decay", "rollback_drop"):
             _unit(f"algo.{name}", getattr(self, name))

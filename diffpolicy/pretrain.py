@@ -5,7 +5,7 @@ Reads top to bottom:
 1. demonstrations: ``demos=PATH``, or the cached dataset ``<cache_dir>/demos/<key>`` (collected first when
    missing; the key hashes the env config, ``algo.n_demos`` and ``seed``);
 2. :func:`behaviour_cloning`: normalisers fitted on the demonstrations, AdamW (``algo.bc_lr``, weight decay
-   1e-6) with linear warm-up then cosine decay, gradient clipping (``algo.max_grad_norm``), an EMA copy of
+   1e-6) with linear warm-up then cosine decay, gradient clipping (``algo.bc_max_grad_norm``), an EMA copy of
    the weights (``algo.ema_decay``) which is what gets saved and evaluated; ``losses/bc`` and ``train/lr``
    to TensorBoard / ``metrics.jsonl`` with a progress bar; checkpoints (:mod:`diffpolicy.policy_io`) in
    ``<run_dir>/checkpoints`` during training and at the end;
@@ -41,7 +41,7 @@ from diffpolicy.policy_io import build_policy, save_policy
 
 BC_WEIGHT_DECAY = 1e-6
 """AdamW weight decay of behaviour cloning."""
-BC_FIELDS = ("bc_epochs", "bc_batch_size", "bc_lr", "ema_decay", "n_demos", "max_grad_norm")
+BC_FIELDS = ("bc_epochs", "bc_batch_size", "bc_lr", "ema_decay", "n_demos", "bc_max_grad_norm")
 """AlgoConfig fields that change a BC result (part of the cache key)."""
 POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing")
 """PolicyConfig fields that do not change a BC result (left out of the cache key)."""
@@ -174,7 +174,7 @@ def behaviour_cloning(
 
     Args:
         env_cfg, policy_cfg, algo: the pieces of a Pretrain/TrainConfig (algo's ``bc_*``, ``ema_decay``
-            and ``max_grad_norm`` are used).
+            and ``bc_max_grad_norm`` are used).
         demos_path: dataset directory.
         runtime: device and precision.
         logger: metrics logger (its progress bar shows the steps).
@@ -245,7 +245,7 @@ def behaviour_cloning(
             optim.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.unscale_(optim)
-            torch.nn.utils.clip_grad_norm_(params, algo.max_grad_norm if algo.max_grad_norm > 0 else math.inf)
+            torch.nn.utils.clip_grad_norm_(params, algo.bc_max_grad_norm or math.inf)
             scaler.step(optim)
             scaler.update()
             sched.step()
