@@ -102,6 +102,9 @@ class EncoderConfig:
     """Cross-modal attention layers."""
     state_hidden: int = 128
     """Hidden width of the proprioception MLP."""
+    text_film: bool = True
+    """The instruction FiLM-modulates the RGB encoder's features (language-conditioned vision), so the
+    keypoints can follow the object it names; without it the text only attends to the fused tokens."""
 
     def __post_init__(self) -> None:
         if len(self.rgb_channels) == 0:

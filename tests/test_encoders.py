@@ -121,6 +121,30 @@ def test_text_changes_condition():
     assert not torch.allclose(c1, c2, atol=1e-5)
 
 
+def test_text_film_steers_the_rgb_features():
+    """The instruction modulates the RGB feature maps: identity at initialisation, gradient into the FiLM
+    layers, and once they are non-zero the RGB tokens depend on the text; the encoder refuses to run
+    without it."""
+    enc = RGBEncoder([8, 16], keypoints=8, token_dim=D, text_dim=D)
+    x = enc.preprocess(obs()["rgb"][:, 0])
+    text = torch.randn(2, D)
+    torch.testing.assert_close(enc.tokens(x, text), RGBEncoder.tokens(enc, x, torch.zeros(2, D)))
+    enc.tokens(x, text).square().sum().backward()
+    assert all(lin.weight.grad.abs().sum() > 0 for lin in enc.text_film)
+    with torch.no_grad():
+        for lin in enc.text_film:
+            lin.weight.normal_(0.0, 0.3)
+    assert not torch.allclose(enc.tokens(x, text), enc.tokens(x, -text), atol=1e-4)
+    with pytest.raises(ValueError, match="text-conditioned"):
+        enc.tokens(x)
+    # In the observation encoder only when RGB and text are both used, and switchable off.
+    assert ObservationEncoder(ENC, SPEC, 1, 20, text_backend="hash").encoders["rgb"].text_film is not None
+    off = EncoderConfig(**{**ENC.__dict__, "text_film": False})
+    assert ObservationEncoder(off, SPEC, 1, 20, text_backend="hash").encoders["rgb"].text_film is None
+    no_text = {k: v for k, v in SPEC.items() if k != "instruction"}
+    assert ObservationEncoder(ENC, no_text, 1, 20).encoders["rgb"].text_film is None
+
+
 def test_encoder_grad_checkpointing_same_gradients():
     grads = []
     for ckpt in (False, True):

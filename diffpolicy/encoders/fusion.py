@@ -5,6 +5,9 @@ token per history step); tokens of history step s get a learned step embedding, 
 type embedding. A learned readout token and all visual + state tokens go through ``fusion_layers``
 pre-norm self-attention blocks (cross-modal mixing); the instruction token then attends to the fused tokens
 (cross-attention, text as query). The readout and text outputs are concatenated and projected to cond_dim.
+With ``text_film`` the instruction also FiLM-modulates the RGB encoder's feature maps before its keypoints
+are taken: which cube to pick is decided from the text, and attention alone did not learn that selection
+(cloned policies reached the cube when the target colour was fixed, 32/32, and not when it varied).
 """
 
 from __future__ import annotations
@@ -110,8 +113,12 @@ class ObservationEncoder(nn.Module):
         self.n_obs_steps = n_obs_steps
         self.modalities: list[str] = []
         self.encoders = nn.ModuleDict()
+        self.use_text = "instruction" in obs_spec and cfg.use_text
+        self.text_film = self.use_text and cfg.text_film and "rgb" in obs_spec and cfg.use_rgb
         if "rgb" in obs_spec and cfg.use_rgb:
-            self.encoders["rgb"] = RGBEncoder(cfg.rgb_channels, cfg.rgb_keypoints, D, cfg.random_shift)
+            self.encoders["rgb"] = RGBEncoder(
+                cfg.rgb_channels, cfg.rgb_keypoints, D, cfg.random_shift, text_dim=D if self.text_film else 0
+            )
         if "points" in obs_spec and cfg.use_points:
             self.encoders["points"] = PointCloudEncoder(
                 cfg.voxel_channels, cfg.voxel_grid, cfg.workspace_low, cfg.workspace_high, D
@@ -121,7 +128,6 @@ class ObservationEncoder(nn.Module):
             self.state_dim = spec_shape(obs_spec["state"])[-1]
             self.encoders["state"] = StateEncoder(self.state_dim, cfg.state_hidden, D)
             self.state_normalizer = MinMaxNormalizer(self.state_dim)
-        self.use_text = "instruction" in obs_spec and cfg.use_text
         if self.use_text:
             self.text = TextEncoder(D, backend=text_backend)
             self.cross = AttentionBlock(D, cfg.fusion_heads)
@@ -158,6 +164,11 @@ class ObservationEncoder(nn.Module):
     ) -> torch.Tensor:
         device = self.readout.device
         B = self._batch(obs)
+        q = None
+        if self.use_text:
+            instr = obs["instruction"]
+            instr = [str(s) for s in (instr.tolist() if isinstance(instr, np.ndarray) else instr)]
+            q = self.text(instr)  # (B, 1, D)
         tokens = []
         for k in self.modalities:
             x = torch.as_tensor(obs[k], device=device)
@@ -176,7 +187,8 @@ class ObservationEncoder(nn.Module):
                 t = self._ckpt(self.encoders[k], self.state_normalizer.normalize(flat.float()))
             elif k == "rgb":
                 enc = self.encoders[k]  # augmentation stays outside the recomputed part
-                t = self._ckpt(enc.tokens, enc.preprocess(flat, augment, generator))
+                text = q[:, 0].repeat_interleave(To, dim=0) if self.text_film else None  # (B To, D)
+                t = self._ckpt(enc.tokens, enc.preprocess(flat, augment, generator), text)
             else:
                 t = self._ckpt(self.encoders[k], flat)
             t = t.view(B, To, -1, t.shape[-1])  # (B, To, n_k, D)
@@ -191,9 +203,6 @@ class ObservationEncoder(nn.Module):
                 f"(To={self.n_obs_steps} steps of every modality)"
             )
         out = seq.flatten(1)  # (B, (1 + L) D): the readout and every fused modality token
-        if self.use_text:
-            instr = obs["instruction"]
-            instr = [str(s) for s in (instr.tolist() if isinstance(instr, np.ndarray) else instr)]
-            q = self.text(instr).to(seq.dtype)  # (B, 1, D)
-            out = torch.cat([out, self._ckpt(self.cross, q, seq)[:, 0]], dim=-1)  # (B, 2 D)
+        if q is not None:
+            out = torch.cat([out, self._ckpt(self.cross, q.to(seq.dtype), seq)[:, 0]], dim=-1)
         return self.head(out)

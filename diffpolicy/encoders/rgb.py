@@ -75,10 +75,20 @@ class RGBEncoder(nn.Module):
     Stem conv (stride 2) then one residual block per entry of ``channels`` (stride 2 after the first), a
     1x1 conv to ``keypoints`` heat maps, spatial softmax -> (keypoints, 2) coordinates, split into
     ``n_tokens`` groups, each group projected to one token. Random shift by ``shift`` pixels in training.
+
+    With ``text_dim`` > 0 a text vector (M, text_dim) FiLM-modulates every residual block's output,
+    ``h * (1 + scale) + shift`` per channel (language-conditioned vision as in RT-1): the instruction can
+    then steer the keypoints toward the object it names. The modulation starts at the identity (zero init).
     """
 
     def __init__(
-        self, channels: list[int], keypoints: int, token_dim: int, shift: int = 4, n_tokens: int = 4
+        self,
+        channels: list[int],
+        keypoints: int,
+        token_dim: int,
+        shift: int = 4,
+        n_tokens: int = 4,
+        text_dim: int = 0,
     ) -> None:
         super().__init__()
         self.shift = shift
@@ -92,6 +102,10 @@ class RGBEncoder(nn.Module):
             blocks.append(ResBlock2d(c_in, c, 1 if i == 0 else 2, _groups(c)))
             c_in = c
         self.blocks = nn.Sequential(*blocks)
+        self.text_film = nn.ModuleList(nn.Linear(text_dim, 2 * c) for c in channels) if text_dim else None
+        for lin in self.text_film or ():
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
         self.keypoint_conv = nn.Conv2d(c_in, keypoints, 1)
         self.softmax = SpatialSoftmax()
         per = keypoints // self.n_tokens
@@ -106,14 +120,27 @@ class RGBEncoder(nn.Module):
         x = img.permute(0, 3, 1, 2).contiguous().float().div_(127.5).sub_(1.0)
         return random_shift(x, self.shift, generator) if augment else x
 
-    def tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """Preprocessed images (M, 3, H, W) -> tokens (M, n_tokens, token_dim) (deterministic)."""
-        h = self.blocks(F.mish(self.stem(x)))
+    def tokens(self, x: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+        """Preprocessed images (M, 3, H, W) [+ text (M, text_dim)] -> tokens (M, n_tokens, token_dim)."""
+        h = F.mish(self.stem(x))
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if self.text_film is not None:
+                if text is None:
+                    raise ValueError(
+                        "this RGB encoder is text-conditioned: pass the instruction's text vector"
+                    )
+                scale, shift = self.text_film[i](text.to(h.dtype)).chunk(2, dim=-1)  # 2 x (M, C)
+                h = torch.addcmul(shift[..., None, None], h, 1.0 + scale[..., None, None])
         kp = self.softmax(self.keypoint_conv(h))  # (M, keypoints, 2)
         groups = kp.reshape(kp.shape[0], self.n_tokens, -1)  # (M, n_tokens, 2 keypoints / n_tokens)
         return self.proj(groups.to(self.proj.weight.dtype)) + self.token_embed
 
     def forward(
-        self, img: torch.Tensor, augment: bool = False, generator: torch.Generator | None = None
+        self,
+        img: torch.Tensor,
+        augment: bool = False,
+        generator: torch.Generator | None = None,
+        text: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.tokens(self.preprocess(img, augment, generator))
+        return self.tokens(self.preprocess(img, augment, generator), text)
