@@ -47,6 +47,8 @@ POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing")
 """PolicyConfig fields that do not change a BC result (left out of the cache key)."""
 LOG_EVERY = 10
 """Optimiser steps per logged ``losses/bc`` point (the mean over those steps)."""
+PROBE_WINDOWS = 64
+"""Windows in the fixed batch of :func:`condition_gap`."""
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -151,6 +153,28 @@ class EMA:
         self.updates += 1
 
 
+@torch.no_grad()
+def condition_gap(policy: Any, obs: dict[str, Any], actions: torch.Tensor, seed: int = 0) -> float:
+    """How much the denoiser relies on the observation: loss with shuffled conditions / loss with the right ones.
+
+    obs (B, To, ...) and actions (B, Ta, Da) (env units) of B >= 2 windows; one fixed diffusion step
+    t = T / 10 and fixed noise (``seed``), conditions encoded without augmentation and shuffled by a cyclic
+    shift. About 1 means the policy ignores its observations (the collapse that used to make behaviour
+    cloning unconditional); a policy that uses them scores well above 1.
+    """
+    cond = policy.encode(obs, augment=False)  # (B, cond_dim)
+    x0 = policy.action_normalizer.normalize(actions.to(cond.device, torch.float32))
+    B = x0.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(x0.shape, generator=gen).to(x0.device)
+    t = torch.full((B,), max(1, policy.schedule.train_timesteps // 10), device=x0.device)
+    a = policy.schedule.alphas_cumprod[t].view(B, 1, 1)
+    x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
+    right = (policy.denoiser(x_t, t, cond).float() - noise).square().mean()
+    shuffled = (policy.denoiser(x_t, t, cond.roll(1, dims=0)).float() - noise).square().mean()
+    return float(shuffled / right.clamp_min(1e-12))
+
+
 def behaviour_cloning(
     env_cfg: EnvConfig,
     policy_cfg: PolicyConfig,
@@ -169,7 +193,8 @@ def behaviour_cloning(
 
     Runs ``algo.bc_epochs`` passes over all windows in batches of ``algo.bc_batch_size`` (the last,
     incomplete batch of an epoch is dropped), logging ``losses/bc`` / ``train/lr`` against the optimiser
-    step and writing ``checkpoints`` intermediate checkpoints plus the final one (the EMA weights as
+    step and ``train/condition_gap`` (:func:`condition_gap` of the EMA diffusion policy on a fixed batch) per epoch, and
+    writing ``checkpoints`` intermediate checkpoints plus the final one (the EMA weights as
     ``"policy"``) under ``<run_dir>/checkpoints``.
 
     Args:
@@ -187,7 +212,7 @@ def behaviour_cloning(
     Returns:
         ``(policy, metrics)``: the EMA policy in eval mode on ``runtime.device`` and
         ``{"final_loss", "epochs", "steps", "s_per_step", "n_windows", "n_episodes", "checkpoint",
-        "wall_time_s"}`` (final_loss: mean loss over the last epoch).
+        "condition_gap", "wall_time_s"}`` (final_loss: mean loss over the last epoch).
     """
     t0 = time.perf_counter()
     device = runtime.device
@@ -231,7 +256,9 @@ def behaviour_cloning(
             keep=2,
         )
 
-    step, epoch_loss, window_loss, window_n = 0, float("nan"), 0.0, 0
+    probe_idx = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:PROBE_WINDOWS]
+    probe = data.batch(probe_idx, device)  # fixed windows for condition_gap
+    step, epoch_loss, window_loss, window_n, gap = 0, float("nan"), 0.0, 0, float("nan")
     t_train = time.perf_counter()
     bar = iter(logger.progress(range(total), total=total, desc="bc"))
     for epoch in range(1, algo.bc_epochs + 1):
@@ -260,7 +287,10 @@ def behaviour_cloning(
                 logger.log({"losses/bc": window_loss / window_n, "train/lr": sched.get_last_lr()[0]}, step)
                 window_loss, window_n = 0.0, 0
         epoch_loss = loss_sum / max(1, per_epoch)
-        logger.log({"losses/bc_epoch": epoch_loss, "train/epoch": epoch}, step)
+        scalars = {"losses/bc_epoch": epoch_loss, "train/epoch": epoch}
+        if hasattr(ema.module, "denoiser"):  # diffusion policies (the Gaussian baseline has no denoiser)
+            gap = scalars["train/condition_gap"] = condition_gap(ema.module, *probe, seed=seed)
+        logger.log(scalars, step)
         if epoch % ckpt_every == 0 and epoch < algo.bc_epochs:
             save(step, epoch, epoch_loss)
     next(bar, None)  # close the progress bar
@@ -276,6 +306,7 @@ def behaviour_cloning(
         "n_windows": len(data),
         "n_episodes": data.n_episodes,
         "checkpoint": str(final),
+        "condition_gap": round(gap, 3),
         "wall_time_s": round(time.perf_counter() - t0, 2),
     }
     return policy, metrics
@@ -402,6 +433,7 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
         "final_loss": metrics["final_loss"],
         "checkpoint": metrics["checkpoint"],
         "epochs": metrics["epochs"],
+        "condition_gap": metrics["condition_gap"],
         "steps": metrics["steps"],
         "s_per_step": metrics["s_per_step"],
         "curve": str(curve),

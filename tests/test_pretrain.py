@@ -15,7 +15,7 @@ from diffpolicy.config import AlgoConfig, DeviceConfig, EncoderConfig, EnvConfig
 from diffpolicy.data.dataset import DemoDataset
 from diffpolicy.device import Runtime
 from diffpolicy.logger import Logger, read_metrics
-from diffpolicy.policy_io import load_policy
+from diffpolicy.policy_io import build_policy, load_policy
 from diffpolicy.pretrain import (
     EMA,
     DemoWindows,
@@ -52,6 +52,21 @@ def test_windows_match_demo_dataset(reach_demos):
         torch.testing.assert_close(actions[row], ref["action"])
 
 
+def test_condition_gap_tells_a_conditional_denoiser_from_one_that_ignores_the_observation(reach_demos):
+    from diffpolicy.pretrain import condition_gap
+
+    data = DemoWindows(reach_demos, 1, SMALL.horizon)
+    policy = build_policy(SMALL, data.obs_spec, data.action_dim).eval()
+    policy.fit_normalizers(actions=data.data["action"], state=data.data["state"])
+    obs, actions = data.batch(torch.arange(16))
+    # Freshly built, the observation columns of the FiLM projections are zero: the observation is ignored.
+    assert condition_gap(policy, obs, actions) == pytest.approx(1.0, abs=1e-6)
+    with torch.no_grad():  # random observation columns: the output now depends on the condition
+        for b in policy.denoiser.res_blocks():
+            b.cond_proj.weight.normal_(0.0, 0.5)
+    assert condition_gap(policy, obs, actions) != pytest.approx(1.0, abs=1e-3)
+
+
 def test_schedule_and_ema():
     lrs = [cosine_with_warmup(s, 100, 10) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[-1] < 0.01
@@ -74,6 +89,8 @@ def test_behaviour_cloning_reach(tmp_path, reach_demos):
     assert metrics["n_episodes"] == 4 and torch.isfinite(torch.tensor(metrics["final_loss"]))
     records = read_metrics(tmp_path / "metrics.jsonl")
     losses = [r["losses/bc"] for r in records if "losses/bc" in r]
+    gaps = [r["train/condition_gap"] for r in records if "train/condition_gap" in r]
+    assert len(gaps) == 3 and all(g > 0 for g in gaps) and metrics["condition_gap"] == round(gaps[-1], 3)
     assert losses and all("train/lr" in r for r in records if "losses/bc" in r)
     assert not policy.training and policy.action_normalizer.high.max() <= 1.0
     # The final checkpoint holds the EMA weights as the policy and reloads to the same actions.
