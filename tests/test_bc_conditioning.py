@@ -8,6 +8,21 @@ from diffpolicy.config import EncoderConfig, PolicyConfig
 from diffpolicy.policy import make_policy
 
 
+@torch.no_grad()
+def right_and_shuffled_loss(policy, obs, actions, gen):
+    """Denoiser loss at t = 10 with the right conditions and with them permuted, and the conditions (B, cond)."""
+    B = actions.shape[0]
+    cond = policy.encode(obs, augment=False)  # (B, cond_dim)
+    x0 = policy.action_normalizer.normalize(actions)
+    t = torch.full((B,), 10)
+    a = policy.schedule.alphas_cumprod[t].view(-1, 1, 1)
+    noise = torch.randn(x0.shape, generator=gen)
+    x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
+    right = (policy.denoiser(x_t, t, cond) - noise).square().mean()
+    shuffled = (policy.denoiser(x_t, t, cond[torch.randperm(B, generator=gen)]) - noise).square().mean()
+    return right, shuffled, cond
+
+
 def test_bc_learns_the_condition_on_a_toy_task() -> None:
     torch.manual_seed(0)
     cfg = PolicyConfig(
@@ -33,15 +48,7 @@ def test_bc_learns_the_condition_on_a_toy_task() -> None:
         optim.zero_grad()
         loss.backward()
         optim.step()
-    with torch.no_grad():
-        cond = policy.encode({"state": state[:256, None]}, augment=False)  # (256, cond_dim)
-        x0 = policy.action_normalizer.normalize(actions[:256])
-        t = torch.full((256,), 10)
-        a = policy.schedule.alphas_cumprod[t].view(-1, 1, 1)
-        noise = torch.randn(x0.shape, generator=gen)
-        x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
-        right = (policy.denoiser(x_t, t, cond) - noise).square().mean()
-        shuffled = (policy.denoiser(x_t, t, cond[torch.randperm(256, generator=gen)]) - noise).square().mean()
+    right, shuffled, _ = right_and_shuffled_loss(policy, {"state": state[:256, None]}, actions[:256], gen)
     assert shuffled > 3 * right, (float(right), float(shuffled))
 
 
@@ -68,16 +75,7 @@ def test_bc_keeps_the_condition_on_pick_demonstrations(tmp_path) -> None:
         loss.backward()
         optim.step()
     obs, actions = data.batch(torch.randperm(len(data), generator=gen)[:256])
-    B = actions.shape[0]
-    with torch.no_grad():
-        cond = policy.encode(obs, augment=False)  # (B, cond_dim)
-        x0 = policy.action_normalizer.normalize(actions)
-        t = torch.full((B,), 10)
-        a = policy.schedule.alphas_cumprod[t].view(-1, 1, 1)
-        noise = torch.randn(x0.shape, generator=gen)
-        x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
-        right = (policy.denoiser(x_t, t, cond) - noise).square().mean()
-        shuffled = (policy.denoiser(x_t, t, cond[torch.randperm(B, generator=gen)]) - noise).square().mean()
+    right, shuffled, cond = right_and_shuffled_loss(policy, obs, actions, gen)
     spread = float(cond.std(0).mean() / cond.abs().mean())
     assert spread > 0.2, spread
     assert shuffled > 1.25 * right, (float(right), float(shuffled))  # 1.41 measured; 1.0 when collapsed

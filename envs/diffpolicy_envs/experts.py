@@ -27,6 +27,7 @@ from diffpolicy_envs.mujoco_pick import (
     MujocoPickEnv,
     pose_action,
     rotation_error,
+    step_toward,
     tool_rotation,
 )
 from diffpolicy_envs.obstacle_reach import ObstacleReachEnv
@@ -121,10 +122,7 @@ class PickExpert:
         if u.action_mode == "pose":  # the phase's goal itself: the environment limits the tool's speed
             return pose_action(goal, self._yaw, grip)
         step = self.fine_step_len if fine else self.step_len
-        start = u.tool_pos_at(u.q_target)
-        delta = goal - start
-        dist = float(np.linalg.norm(delta))
-        target = goal if dist <= step else start + delta * (step / dist)
+        target = step_toward(u.tool_pos_at(u.q_target), goal, step)
         q_goal = u.solve_ik(target, tool_rotation(self._yaw), u.q_target)
         dq = (q_goal - u.q_target) / MAX_JOINT_DELTA
         dq /= max(1.0, float(np.abs(dq).max()))

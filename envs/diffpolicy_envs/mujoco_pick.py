@@ -166,6 +166,12 @@ def rotation_error(mat: np.ndarray, mat_goal: np.ndarray) -> np.ndarray:
     )
 
 
+def step_toward(start: np.ndarray, goal: np.ndarray, max_step: float) -> np.ndarray:
+    """The point on the segment from ``start`` to ``goal`` (3,) at most ``max_step`` (m) from ``start``."""
+    dist = float(np.linalg.norm(goal - start))
+    return goal if dist <= max_step else start + (goal - start) * (max_step / dist)
+
+
 def pose_action(
     pos: np.ndarray, yaw: float, grip: float, roll: float = 0.0, pitch: float = 0.0
 ) -> np.ndarray:
@@ -364,10 +370,7 @@ class MujocoPickEnv(gym.Env):
         q = d.qpos[self.arm_qpos_adr]
         if self.action_mode == "pose":
             pos = TOOL_LOW + 0.5 * (a[:3] + 1.0) * (TOOL_HIGH - TOOL_LOW)
-            start = self.tool_pos_at(self.q_target)
-            dist = float(np.linalg.norm(pos - start))
-            if dist > MAX_TOOL_STEP:
-                pos = start + (pos - start) * (MAX_TOOL_STEP / dist)
+            pos = step_toward(self.tool_pos_at(self.q_target), pos, MAX_TOOL_STEP)
             rot = tool_rotation(HOME_YAW + a[5] * np.pi / 2, a[3] * TILT_RANGE, a[4] * TILT_RANGE)
             target = self.solve_ik(pos, rot, self.q_target)
         elif self.action_mode == "absolute":
