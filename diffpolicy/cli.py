@@ -189,5 +189,9 @@ def launch(
         sys.stdout.flush()
         print(line, flush=True)
 
+    if not any(a.lstrip("+~").startswith("hydra.job.name=") for a in args):
+        # Hydra names the job after the module that calls hydra.main (this one): name it after the entry
+        # point instead, so runs land in runs/<entry>/<date>/ as documented
+        args.append(f"hydra.job.name={config_name}")
     sys.argv = [sys.argv[0], *args]
     _job()

@@ -39,9 +39,9 @@ OBS_KEYS = ("rgb", "points", "state", "instruction")
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 KEY_IGNORED_FIELDS = ("num_envs", "vectorization")
-DEMOS_VERSION = 4
+DEMOS_VERSION = 5
 """Part of the cache key; bumped when an environment's action or observation semantics change
-(4: MujocoPick actions became tool waypoints)."""
+(4: MujocoPick actions became tool waypoints; 5: its state observation gained the target's position)."""
 """EnvConfig fields that do not change what a demonstration holds (left out of the cache key)."""
 
 
@@ -96,7 +96,7 @@ def collect_demos(
     n_episodes: int,
     seed: int,
     out: str | Path,
-    keep_failures: bool = False,
+    keep_failures: bool | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Roll out the scripted expert on seeds ``seed .. seed + n_episodes - 1`` and write a dataset at ``out``.
@@ -106,7 +106,7 @@ def collect_demos(
         n_episodes: episodes to run.
         seed: first episode seed (also seeds the expert's own choices).
         out: dataset directory to create (must not exist).
-        keep_failures: also store episodes the expert failed.
+        keep_failures: also store episodes the expert failed (None: ``env_cfg.demo_failures``).
         progress: wraps the episode loop (e.g. ``logger.progress``).
 
     Returns:
@@ -124,8 +124,19 @@ def collect_demos(
     if n_episodes < 1:
         raise ValueError(f"n_episodes={n_episodes} must be >= 1")
     progress = progress or _no_progress
+    if keep_failures is None:
+        keep_failures = env_cfg.demo_failures
     env = _make_env(env_cfg)
-    expert = make_expert(env, seed=seed)
+    try:
+        expert = make_expert(env, seed=seed, **env_cfg.expert)
+    except TypeError as err:
+        env.close()
+        raise ValueError(
+            f"env.expert={dict(env_cfg.expert)} does not fit the scripted expert: {err}"
+        ) from None
+    except ValueError:
+        env.close()
+        raise
     attrs = {"env": dataclasses.asdict(env_cfg), "seed": seed, "keep_failures": keep_failures, "obs_every": 1}
     writer = DemoWriter(out, env_id=env_cfg.id, attrs=attrs)
     successes: list[bool] = []
@@ -203,7 +214,12 @@ def main(cfg: CollectConfig, run_dir: Path) -> dict[str, Any]:
     out = Path(cfg.out) if cfg.out else run_dir / "demos"
     with Logger(run_dir, tensorboard=False) as log:
         summary = collect_demos(
-            cfg.env, cfg.n_episodes, cfg.seed, out, cfg.keep_failures, progress=log.progress
+            cfg.env,
+            cfg.n_episodes,
+            cfg.seed,
+            out,
+            cfg.keep_failures or cfg.env.demo_failures,
+            progress=log.progress,
         )
         log.log({"rollout/success_rate": summary["success_rate"]}, step=summary["steps"])
     return summary

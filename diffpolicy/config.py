@@ -57,6 +57,12 @@ class EnvConfig:
     """Time limit in control steps."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments forwarded to the environment constructor."""
+    expert: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the scripted expert that records the demonstrations (MujocoPick:
+    ``place_noise``, the std in metres of an imprecise demonstrator's per-episode release offset)."""
+    demo_failures: bool = False
+    """Keep the expert's failed episodes in the demonstration set (its whole record, like D4RL's medium
+    datasets); false keeps only successes."""
 
     def __post_init__(self) -> None:
         _choice("env.name", self.name, ("mujoco_pick", "obstacle_reach", "gym"))
@@ -158,9 +164,9 @@ class PolicyConfig:
     """Diffusion steps of the DDPM training schedule."""
     ddim_steps: int = 10
     """K: DDIM steps when sampling."""
-    ft_steps: int = 5
-    """K': last DDIM steps that PPO fine-tunes (K' <= K)."""
-    min_std: float = 0.1
+    ft_steps: int = 10
+    """K': last DDIM steps that PPO fine-tunes (K' <= K; K' = K fine-tunes the whole chain)."""
+    min_std: float = 0.01
     """Lower bound on the std of every stochastic DDIM step (exploration), in normalised action units."""
     eta: float = 1.0
     """DDIM stochasticity for fine-tuned steps (0 = deterministic)."""
@@ -236,6 +242,10 @@ class AlgoConfig:
     """GAE lambda."""
     denoise_gamma: float = 1.0
     """Discount along the denoising steps (1 = none)."""
+    logprob_min_std: float = 0.0
+    """Floor on the std of the Gaussians in the PPO ratio's log-probs (DPPO's min_logprob_denoising_std);
+    0 uses the exact sampling std. With a small sampling floor the last steps' log-probs dominate the
+    gradient with noise that barely changes the outcome; a floor of 0.1 weighs all steps alike."""
     clip_eps: float = 0.01
     """PPO clip range at the first fine-tuned denoising step."""
     clip_eps_final: float = 0.01
@@ -266,11 +276,11 @@ class AlgoConfig:
     """Warn when the gradient norm's z-score exceeds this."""
     rollback_drop: float = 0.3
     """Roll back to the last stable checkpoint when the success rate falls this far below its best."""
-    bc_epochs: int = 12
+    bc_epochs: int = 40
     """Behaviour-cloning epochs over the demonstrations."""
     bc_batch_size: int = 128
     """Behaviour-cloning batch size (windows)."""
-    bc_lr: float = 3e-4
+    bc_lr: float = 1e-3
     """Behaviour-cloning peak learning rate (AdamW, cosine schedule)."""
     bc_max_grad_norm: float = 10.0
     """Behaviour-cloning gradient clipping by global norm (0 disables); a safety net, separate from PPO's
@@ -294,7 +304,8 @@ class AlgoConfig:
             _positive(f"algo.{name}", getattr(self, name))
         for name in ("lr", "critic_lr", "bc_lr", "clip_eps", "clip_eps_final", "grad_spike_sigma"):
             _positive(f"algo.{name}", getattr(self, name))
-        for name in ("weight_decay", "vf_coef", "target_kl", "max_grad_norm", "bc_max_grad_norm", "reg_coef"):
+        for name in ("weight_decay", "vf_coef", "target_kl", "max_grad_norm", "bc_max_grad_norm", "reg_coef",
+                     "logprob_min_std"):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
         for name in ("gamma", "gae_lambda", "denoise_gamma", "ema_decay", "rollback_drop"):
             _unit(f"algo.{name}", getattr(self, name))
@@ -385,8 +396,9 @@ class TrainConfig:
     """Held-out episodes evaluated before and after fine-tuning."""
     eval_seed: int = 100_000
     """First seed of the held-out evaluation episodes (disjoint from demonstration seeds)."""
-    eval_deterministic: bool = True
-    """Evaluate with deterministic DDIM (every step's mean) rather than the exploring fine-tuned steps."""
+    eval_deterministic: bool = False
+    """Evaluate every step's mean only, rather than the stochastic chain that PPO fine-tunes (the default,
+    so that BC and PPO are judged as the policy that is trained)."""
     cache_dir: str = "${oc.env:DIFFPOLICY_CACHE,runs/cache}"
     """Where demonstrations and the pre-trained checkpoint are cached between runs."""
     video_episodes: int = 2
@@ -458,8 +470,8 @@ class EvaluateConfig:
     """First held-out seed (disjoint from demonstration seeds)."""
     video_episodes: int = 2
     """Episodes recorded to mp4."""
-    deterministic: bool = True
-    """Deterministic DDIM (every step's mean) rather than the exploring fine-tuned steps."""
+    deterministic: bool = False
+    """Every DDIM step's mean only, rather than the stochastic chain that PPO fine-tunes."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:

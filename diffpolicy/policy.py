@@ -12,6 +12,7 @@ decision, the Te executed actions in env units plus the full :class:`SampleOutpu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -181,9 +182,24 @@ class DiffusionPolicy(PolicyBase):
             cfg.train_timesteps, cfg.ddim_steps, cfg.ft_steps, cfg.eta, cfg.min_std, cfg.clip_sample
         )
         self.ft_steps = cfg.ft_steps
+        self.logprob_min_std = 0.0
+        """Floor on the std of the chain log-probs (0: the exact sampling std); set by PPO, see log_prob."""
         self.sampler_backend = "compiled" if cfg.compile else "auto"
         """DDIM loop backend: auto (the prepacked fast path on the CPU in fp32 inference, else eager) or
         compiled (torch.compile; falls back with a one-time warning when no compiler works)."""
+
+    def set_sampling(self, *, ft_steps: int, eta: float, min_std: float) -> None:
+        """Change how chains are sampled (K' fine-tuned steps, eta, the std floor) without touching weights.
+
+        These settings do not enter the DDPM training loss, so one BC checkpoint serves fine-tuning runs
+        with any of them; ``cfg`` is updated so that a checkpoint saved afterwards records them.
+        """
+        s = self.schedule
+        self.schedule = NoiseSchedule(
+            s.train_timesteps, s.ddim_steps, ft_steps, eta, min_std, s.clip_sample
+        ).to(s.alphas_cumprod.device)
+        self.ft_steps = ft_steps
+        self.cfg = dataclasses.replace(self.cfg, ft_steps=ft_steps, eta=eta, min_std=min_std)
 
     @torch.no_grad()
     def _run_sampler(self, cond, deterministic, return_chain, generator, noise):
@@ -223,7 +239,7 @@ class DiffusionPolicy(PolicyBase):
             actions = self.action_normalizer.unnormalize(out.x0)
             log_probs = None
             if return_chain:
-                lp = normal_log_prob(out.chain[:, 1:], out.means, out.stds)  # (B, K', Ta, Da)
+                lp = normal_log_prob(out.chain[:, 1:], out.means, self._ratio_std(out.stds))  # (B, K', Ta, Da)
                 log_probs = self.reduce_executed(lp)
         # Leave inference mode: results may feed autograd later (PPO log-probs of the stored chain).
         clone = lambda t: None if t is None else t.clone()
@@ -269,11 +285,17 @@ class DiffusionPolicy(PolicyBase):
 
         Evaluated under the current parameters from ``obs`` (encoded without augmentation, so encoder
         gradients flow) or a given ``cond`` (B, cond_dim); averaged over the executed Te x Da elements; fp32.
+        With ``logprob_min_std`` > 0 (DPPO's ``min_logprob_denoising_std``) every Gaussian's std is floored
+        there first, for these log-probs and for the ones :meth:`sample` returns alike.
         """
         if cond is None:
             cond = self.encode(obs, augment=False)
         mean, std = self.transition_mean_std(chain, cond)
-        return self.reduce_executed(normal_log_prob(chain[:, 1:].float(), mean, std))
+        return self.reduce_executed(normal_log_prob(chain[:, 1:].float(), mean, self._ratio_std(std)))
+
+    def _ratio_std(self, std: torch.Tensor) -> torch.Tensor:
+        """The std the log-probs use: the sampling std, floored at ``logprob_min_std`` when that is > 0."""
+        return std.clamp_min(self.logprob_min_std) if self.logprob_min_std > 0 else std
 
     def bc_loss(
         self, obs: Obs, actions: torch.Tensor, *, generator: torch.Generator | None = None

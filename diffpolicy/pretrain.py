@@ -43,8 +43,9 @@ BC_WEIGHT_DECAY = 1e-6
 """AdamW weight decay of behaviour cloning."""
 BC_FIELDS = ("bc_epochs", "bc_batch_size", "bc_lr", "ema_decay", "n_demos", "bc_max_grad_norm")
 """AlgoConfig fields that change a BC result (part of the cache key)."""
-POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing")
-"""PolicyConfig fields that do not change a BC result (left out of the cache key)."""
+POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing", "ft_steps", "eta", "min_std")
+"""PolicyConfig fields that do not change a BC result (left out of the cache key); the sampling ones are set
+on the loaded policy by :func:`diffpolicy.train.initial_policy` (``DiffusionPolicy.set_sampling``)."""
 LOG_EVERY = 10
 """Optimiser steps per logged ``losses/bc`` point (the mean over those steps)."""
 PROBE_WINDOWS = 64
@@ -336,20 +337,21 @@ def pretrained_checkpoint(
     logger: Logger | None = None,
     run_dir: str | Path | None = None,
     text_backend: str = "minilm",
+    progress: bool = True,
 ) -> Path:
     """The cached BC checkpoint for these settings (``<cache_dir>/bc/<bc_key>``), trained first if missing.
 
     Demonstrations come from :func:`diffpolicy.collect.cached_demos` (``algo.n_demos`` episodes from
     ``seed``). Training logs and intermediate checkpoints go to ``run_dir`` (default
     ``<cache_dir>/bc/<key>.run``); only the finished checkpoint is written into the cache, so an interrupted
-    run never leaves a half-trained one there.
+    run never leaves a half-trained one there. ``progress`` shows progress bars when no ``logger`` is given.
     """
     root = Path(cache_dir) / "bc" / bc_key(env_cfg, policy_cfg, algo, seed)
     if checkpoint.exists(root):
         return checkpoint.resolve(root)
     run_dir = Path(run_dir) if run_dir is not None else root.with_name(root.name + ".run")
     own_logger = logger is None
-    logger = logger or Logger(run_dir, tensorboard=False)
+    logger = logger or Logger(run_dir, tensorboard=False, progress=progress)
     try:
         demos, _ = cached_demos(env_cfg, algo.n_demos, seed, cache_dir, progress=logger.progress)
         policy, metrics = behaviour_cloning(

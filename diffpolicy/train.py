@@ -74,7 +74,14 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
 
         def cached() -> Path:
             return pretrained_checkpoint(
-                cfg.env, cfg.policy, cfg.algo, rt, cfg.cache_dir, seed=cfg.seed, run_dir=run_dir / "bc"
+                cfg.env,
+                cfg.policy,
+                cfg.algo,
+                rt,
+                cfg.cache_dir,
+                seed=cfg.seed,
+                run_dir=run_dir / "bc",
+                progress=cfg.log.progress,
             )
 
         if info.is_main:
@@ -83,6 +90,10 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
         if not info.is_main:
             path = cached()
     policy, _, _ = load_policy(path, rt.device)
+    if hasattr(policy, "set_sampling"):  # this run's K', eta and std floor, whatever the checkpoint used
+        p = cfg.policy
+        policy.set_sampling(ft_steps=p.ft_steps, eta=p.eta, min_std=p.min_std)
+        policy.logprob_min_std = cfg.algo.logprob_min_std
     policy.sampler_backend = "compiled" if cfg.policy.compile else "auto"
     policy.set_freeze_encoders(cfg.policy.freeze_encoders or not cfg.algo.finetune_encoders)
     return policy.train(), path

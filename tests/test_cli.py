@@ -23,6 +23,12 @@ def test_cfg_job_prints_config_from_any_directory(tmp_path) -> None:
     assert "mujoco_pick" in out.stdout and "down_dims" in out.stdout
 
 
+def test_run_directory_is_named_after_the_entry_point(tmp_path) -> None:
+    out = _run("diffpolicy.collect", "env=obstacle_reach", "n_episodes=1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [p.parent.parent.name for p in (tmp_path / "runs").glob("*/*/summary.json")] == ["collect"]
+
+
 @pytest.mark.parametrize(
     ("override", "needle"),
     [("device=npu", "torch_npu"), ("env.nonexistent=1", "env.nonexistent"), ("algo.gamma=7", "algo.gamma")],

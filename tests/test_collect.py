@@ -68,6 +68,17 @@ def test_collect_failures_and_gym(tmp_path):
     assert DemoReader(kept["path"]).meta["success"] == [False, False]
 
 
+def test_collect_takes_the_expert_settings_and_failure_policy_from_the_env(tmp_path):
+    sloppy = dataclasses.replace(PICK, obs_mode="state", expert={"place_noise": 0.3}, demo_failures=True)
+    out = collect_demos(sloppy, 3, seed=1000, out=tmp_path / "s")
+    assert out["n_kept"] == 3 and out["success_rate"] < 1.0  # the failures are part of the demonstrations
+    assert demos_key(sloppy, 3, 0) != demos_key(dataclasses.replace(sloppy, expert={}), 3, 0)
+    assert demos_key(sloppy, 3, 0) != demos_key(dataclasses.replace(sloppy, demo_failures=False), 3, 0)
+    with pytest.raises(ValueError, match="env.expert"):
+        collect_demos(dataclasses.replace(PICK, expert={"speed": 2}), 1, 0, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_cached_demos_reuses(tmp_path):
     path, collected = cached_demos(REACH, 2, 0, tmp_path)
     assert collected and path == tmp_path / "demos" / demos_key(REACH, 2, 0)

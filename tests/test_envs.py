@@ -93,8 +93,11 @@ def test_pick_observation_layout():
     assert COLORS[info["target_id"]] in obs["instruction"] and info["target_color"] in obs["instruction"]
     state = _make("MujocoPick-v0", obs_mode="state")
     s_obs, s_info = state.reset(seed=1)
-    assert set(s_obs) == {"state"} and s_obs["state"].shape == (31,)
+    assert set(s_obs) == {"state"} and s_obs["state"].shape == (34,)
     np.testing.assert_array_equal(s_obs["state"][13:16], np.eye(3)[s_info["target_id"]])
+    target = s_info["target_id"]
+    np.testing.assert_allclose(s_obs["state"][16:19], state.unwrapped.cube_pos(target), atol=1e-6)
+    np.testing.assert_array_equal(s_obs["state"][16:19], s_obs["state"][19 + 3 * target : 22 + 3 * target])
 
 
 def test_points_are_in_the_base_frame():
@@ -261,6 +264,36 @@ def test_pick_expert_succeeds_in_state_mode(action_mode):
         "MujocoPick-v0", n_episodes=10, seed=1000, obs_mode="state", action_mode=action_mode
     )
     assert rate == 1.0
+
+
+def test_imprecise_pick_expert_misses_the_tray_sometimes():
+    """place_noise draws one release offset per episode from the expert's own seed (the same seed gives the
+    same offsets), place_bias shifts every release; a large error makes the demonstrator fail where the
+    precise expert succeeds."""
+    env = MujocoPickEnv(obs_mode="state")
+    offsets = []
+    for _ in range(2):
+        expert = make_expert(env, seed=7, place_noise=0.05)
+        found = []
+        for seed in (1000, 1001):
+            env.reset(seed=seed)
+            expert.act(env)
+            found.append(expert.place_offset.copy())
+        offsets.append(found)
+    np.testing.assert_array_equal(offsets[0], offsets[1])
+    assert not np.allclose(offsets[0][0], offsets[0][1])
+    sloppy = evaluate_expert(
+        "MujocoPick-v0", 6, seed=1000, expert_kwargs={"place_noise": 0.3}, obs_mode="state"
+    )
+    assert sloppy <= 0.5
+    with pytest.raises(ValueError, match="place_noise"):
+        make_expert(env, place_noise=-0.01)
+    biased = make_expert(env, place_bias=[0.0, 0.065])
+    env.reset(seed=1000)
+    biased.act(env)
+    np.testing.assert_array_equal(biased.place_offset, [0.0, 0.065])
+    with pytest.raises(ValueError, match="place_bias"):
+        make_expert(env, place_bias=[0.1])
 
 
 def test_pose_action_is_a_waypoint_reached_at_limited_speed():

@@ -67,6 +67,19 @@ def test_deterministic_sampling_reproducible():
     assert torch.equal(s1, s2) and not torch.allclose(s1, s3)
 
 
+def test_set_sampling_changes_the_chain_not_the_weights():
+    p, ref = make(), make(ft_steps=2, eta=0.5, min_std=0.02)
+    weights = {k: v.clone() for k, v in p.state_dict().items()}
+    p.set_sampling(ft_steps=2, eta=0.5, min_std=0.02)
+    assert p.ft_steps == 2 and (p.cfg.ft_steps, p.cfg.eta, p.cfg.min_std) == (2, 0.5, 0.02)
+    for name in ("std", "timesteps", "alphas_cumprod"):
+        torch.testing.assert_close(getattr(p.schedule, name), getattr(ref.schedule, name))
+    assert all(torch.equal(v, p.state_dict()[k]) for k, v in weights.items())
+    out = p.sample(obs(), return_chain=True, generator=torch.Generator().manual_seed(0))
+    assert out.chain.shape == (B, 3, TA, DA) and (out.stds >= 0.02).all()
+    torch.testing.assert_close(p.log_prob(out.chain, obs()), out.log_probs)
+
+
 @pytest.mark.parametrize("to", [1, 2])
 def test_log_prob_exact_and_ratio_one(to):
     p = make(n_obs_steps=to)
@@ -87,6 +100,21 @@ def test_log_prob_exact_and_ratio_one(to):
     lp.mean().backward()
     assert p.denoiser.final_proj.weight.grad is not None
     assert p.obs_encoder.encoders["state"].net[0].weight.grad is not None
+
+
+def test_log_prob_std_floor_for_the_ratio():
+    """logprob_min_std floors the std of both the stored and the re-evaluated log-probs (ratio 1 at the same
+    parameters), against torch.distributions; the sampled chain itself is unchanged."""
+    p = make()
+    exact = p.sample(obs(), return_chain=True, generator=torch.Generator().manual_seed(0))
+    p.logprob_min_std = 0.5
+    out = p.sample(obs(), return_chain=True, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out.chain, exact.chain)
+    floored = out.stds.clamp_min(0.5)
+    assert (out.stds < 0.5).any() and not torch.equal(out.log_probs, exact.log_probs)
+    want = torch.distributions.Normal(out.means, floored).log_prob(out.chain[:, 1:])[:, :, :TE].mean((-2, -1))
+    torch.testing.assert_close(out.log_probs, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(p.log_prob(out.chain, obs()), out.log_probs, atol=1e-4, rtol=1e-4)
 
 
 def test_log_prob_from_cond_and_under_autocast():

@@ -1,5 +1,6 @@
 """pretrain: windows match dataset.py, a tiny BC run end to end (function and CLI), EMA, schedule, cache."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -131,6 +132,9 @@ def test_pretrained_checkpoint_is_cached(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pretrain, "behaviour_cloning", no_training)
     assert pretrained_checkpoint(REACH, SMALL, algo, CPU, tmp_path / "cache") == path
+    # the fine-tuning sampler's settings do not change a BC result: the same checkpoint serves them all
+    sampling = dataclasses.replace(SMALL, min_std=0.01, eta=0.5, ft_steps=1)
+    assert pretrained_checkpoint(REACH, sampling, algo, CPU, tmp_path / "cache") == path
     other = AlgoConfig(bc_epochs=2, bc_batch_size=32, n_demos=2)
     with pytest.raises(AssertionError, match="trained again"):
         pretrained_checkpoint(REACH, SMALL, other, CPU, tmp_path / "cache")

@@ -32,6 +32,7 @@ TINY_POLICY = [
 ]
 TINY_RUN = [
     "env=obstacle_reach",
+    "algo=ppo",  # GAE with a critic (the train default is grpo, covered below)
     "env.num_envs=2",
     "algo.iterations=3",
     "algo.n_steps=3",
@@ -135,9 +136,15 @@ def test_sigkill_mid_run_then_resume_matches(
 @pytest.mark.parametrize(
     "options",
     [
-        ["algo=grpo", "algo.group_size=2", "algo.n_steps=6"],
-        ["algo.clip=unconditional", "algo.normalize=self"],
-        ["algo.reg=kl", "algo.reg_coef=0.1", "algo.denoise_gamma=0.9", "algo.clip_eps_final=0.05"],
+        ["algo.advantage=grpo", "algo.group_size=2", "algo.n_steps=6"],
+        ["algo.clip=unconditional", "algo.normalize=self", "algo.logprob_min_std=0.1"],
+        [
+            "algo.reg=kl",
+            "algo.reg_coef=0.1",
+            "algo.denoise_gamma=0.9",
+            "algo.clip_eps_final=0.05",
+            "policy.min_std=0.05",
+        ],  # fmt: skip
         ["device.precision=bf16", "algo.finetune_encoders=true"],
     ],
     ids=["grpo", "stabledrl", "kl-reg", "bf16"],
@@ -152,12 +159,17 @@ def test_options_run_in_process(tmp_path: Path, init_ckpt: Path, options: list[s
     assert summary is not None and summary["env_steps"] > 0
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert all(r["losses/policy"] is not None for r in rows if "losses/policy" in r)
+    # the run's sampling settings apply to the loaded policy, whatever the init checkpoint recorded
+    saved = checkpoint.load(tmp_path / "checkpoints").config["policy"]
+    assert saved["min_std"] == cfg.policy.min_std and saved["ft_steps"] == cfg.policy.ft_steps
 
 
 def test_grpo_needs_whole_groups(tmp_path: Path, init_ckpt: Path) -> None:
     from diffpolicy.train import main
 
-    cfg = compose("train", [*TINY_RUN, "algo=grpo", "algo.group_size=3", f"policy.init={init_ckpt}"])
+    cfg = compose(
+        "train", [*TINY_RUN, "algo.advantage=grpo", "algo.group_size=3", f"policy.init={init_ckpt}"]
+    )
     with pytest.raises(ValueError, match="group_size"):
         main(cfg, tmp_path)
 
@@ -165,3 +177,14 @@ def test_grpo_needs_whole_groups(tmp_path: Path, init_ckpt: Path) -> None:
 def test_tiny_policy_config_is_valid() -> None:
     cfg = compose("train", [*TINY_RUN, *TINY_POLICY])
     assert isinstance(cfg.policy, PolicyConfig) and cfg.policy.ft_steps == 2
+
+
+def test_default_run_is_the_cpu_mission() -> None:
+    """What ``python -m diffpolicy.train env=mujoco_pick`` composes to (the README's mission settings)."""
+    cfg = compose("train", ["env=mujoco_pick"])
+    assert (
+        cfg.env.obs_mode == "state" and cfg.env.demo_failures and cfg.env.expert["place_bias"] == [0.0, 0.065]
+    )
+    assert cfg.algo.advantage == "grpo" and cfg.env.num_envs % cfg.algo.group_size == 0
+    assert cfg.policy.horizon == 16 and cfg.policy.ft_steps == cfg.policy.ddim_steps
+    assert not cfg.eval_deterministic and cfg.eval_episodes >= 100

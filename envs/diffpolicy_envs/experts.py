@@ -47,18 +47,42 @@ class PickExpert:
     the phase's goal pose itself and the environment limits the speed. If the cube slips out of the gripper the
     expert starts again from the approach.
 
+    ``place_bias`` and ``place_noise`` make an imprecise demonstrator, like a teleoperator whose view of the
+    tray is miscalibrated: each episode it aims the release at the tray centre plus ``place_bias`` (x, y)
+    plus an offset drawn from N(0, place_noise^2) per horizontal axis (the same offset for the whole episode,
+    invisible in the observation), so some cubes land on the tray's rim or beside it. The offsets come from
+    the expert's own generator (``seed``), never from the environment's.
+
     Args:
         env: a ``MujocoPick-v0`` env (wrapped or not).
         step_len: largest tool displacement (m) commanded per control step in free space.
         fine_step_len: largest tool displacement (m) per step when descending onto the cube or the tray.
+        place_noise: std (m) of the per-episode release offset; 0 (default) is the precise expert.
+        place_bias: constant release offset (x, y) in metres; (0, 0) by default.
+        seed: seeds the release offsets.
     """
 
-    def __init__(self, env: gym.Env, step_len: float = 0.016, fine_step_len: float = 0.01):
+    def __init__(
+        self,
+        env: gym.Env,
+        step_len: float = 0.016,
+        fine_step_len: float = 0.01,
+        place_noise: float = 0.0,
+        place_bias: tuple[float, float] | list[float] = (0.0, 0.0),
+        seed: int | None = None,
+    ):
         u = env.unwrapped
         if not isinstance(u, MujocoPickEnv):
             raise ValueError(f"PickExpert needs a MujocoPickEnv, got {type(u).__name__}")
+        if not np.isfinite(place_noise) or place_noise < 0:
+            raise ValueError(f"place_noise must be a finite std >= 0 (m), got {place_noise}")
         self.step_len = step_len
         self.fine_step_len = fine_step_len
+        self.place_noise = float(place_noise)
+        self.place_bias = np.asarray(place_bias, dtype=np.float64)
+        if self.place_bias.shape != (2,) or not np.all(np.isfinite(self.place_bias)):
+            raise ValueError(f"place_bias must be two finite numbers (x, y) in metres, got {place_bias}")
+        self._rng = np.random.default_rng(seed)
         self._episode = -1
         self.reset()
 
@@ -69,12 +93,17 @@ class PickExpert:
         self._yaw = None
         self._lift_xy = None
 
+    def _new_episode(self) -> None:
+        self.reset()
+        noise = self._rng.normal(0.0, self.place_noise, 2) if self.place_noise > 0 else np.zeros(2)
+        self.place_offset = self.place_bias + noise
+
     def act(self, env: gym.Env) -> np.ndarray:
         """Next action (7,) float32 in [-1, 1] for the current state of ``env``."""
         u: MujocoPickEnv = env.unwrapped
         if u.episode_id != self._episode:
             self._episode = u.episode_id
-            self.reset()
+            self._new_episode()
         cube = u.cube_pos(u.target_id)
         ee = u.ee_pos()
         carrying = self.phase in ("lift", "transport", "lower")
@@ -85,6 +114,7 @@ class PickExpert:
         grip = OPEN
         fine = False
         above = 0.16  # tool height (m) when carrying
+        place = u.tray_pos[:2] + self.place_offset  # where the release is aimed
         if self.phase == "approach":
             goal = cube + np.array([0.0, 0.0, 0.09])
             if np.linalg.norm(ee - goal) < 0.012 and self._orientation_error(u) < 0.08:
@@ -104,20 +134,20 @@ class PickExpert:
             if ee[2] > above - 0.02:
                 self.phase = "transport"
         if self.phase == "transport":
-            goal, grip = np.array([*u.tray_pos[:2], above]), CLOSE
+            goal, grip = np.array([*place, above]), CLOSE
             if np.linalg.norm(ee - goal) < 0.02:
                 self.phase = "lower"
         if self.phase == "lower":
-            goal, grip, fine = np.array([*u.tray_pos[:2], TRAY_FLOOR_Z + 0.07]), CLOSE, True
+            goal, grip, fine = np.array([*place, TRAY_FLOOR_Z + 0.07]), CLOSE, True
             if np.linalg.norm(ee - goal) < 0.012:
                 self.phase, self._counter = "release", 0
         if self.phase == "release":
-            goal, grip = np.array([*u.tray_pos[:2], TRAY_FLOOR_Z + 0.07]), OPEN
+            goal, grip = np.array([*place, TRAY_FLOOR_Z + 0.07]), OPEN
             self._counter += 1
             if self._counter > 2 and u.gripper_opening() > 2 * FINGER_OPEN - 0.02:
                 self.phase = "retreat"
         if self.phase == "retreat":
-            goal, grip = np.array([*u.tray_pos[:2], above + 0.04]), OPEN
+            goal, grip = np.array([*place, above + 0.04]), OPEN
 
         if u.action_mode == "pose":  # the phase's goal itself: the environment limits the tool's speed
             return pose_action(goal, self._yaw, grip)
@@ -198,7 +228,7 @@ def make_expert(env: gym.Env, seed: int | None = None, **kwargs: Any) -> PickExp
     """
     u = env.unwrapped
     if isinstance(u, MujocoPickEnv):
-        return PickExpert(env, **kwargs)
+        return PickExpert(env, seed=seed, **kwargs)
     if isinstance(u, ObstacleReachEnv):
         return ReachExpert(env, seed=seed, **kwargs)
     raise ValueError(f"no scripted expert for {type(u).__name__}; known: MujocoPickEnv, ObstacleReachEnv")
@@ -217,15 +247,22 @@ def run_episode(env: gym.Env, expert: PickExpert | ReachExpert, seed: int | None
             return {"success": success, "length": length, "return": total}
 
 
-def evaluate_expert(env_id: str, n_episodes: int = 100, seed: int = 0, **env_kwargs: Any) -> float:
+def evaluate_expert(
+    env_id: str,
+    n_episodes: int = 100,
+    seed: int = 0,
+    expert_kwargs: dict[str, Any] | None = None,
+    **env_kwargs: Any,
+) -> float:
     """Success rate of the scripted expert over ``n_episodes`` episodes seeded ``seed, seed + 1, ...``.
 
-    ``env_id`` may omit the ``diffpolicy_envs:`` prefix; ``env_kwargs`` go to ``gymnasium.make``.
+    ``env_id`` may omit the ``diffpolicy_envs:`` prefix; ``expert_kwargs`` go to :func:`make_expert`,
+    ``env_kwargs`` to ``gymnasium.make``.
     """
     if ":" not in env_id:
         env_id = f"diffpolicy_envs:{env_id}"
     env = gym.make(env_id, **env_kwargs)
-    expert = make_expert(env, seed=seed)
+    expert = make_expert(env, seed=seed, **(expert_kwargs or {}))
     try:
         results = [run_episode(env, expert, seed=seed + i) for i in range(n_episodes)]
     finally:
@@ -242,7 +279,16 @@ if __name__ == "__main__":
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--obs-mode", default=None, help="MujocoPick only: multimodal or state")
+    parser.add_argument(
+        "--place-noise", type=float, default=0.0, help="MujocoPick only: release offset std (m)"
+    )
+    parser.add_argument(
+        "--place-bias", type=float, nargs=2, default=(0.0, 0.0), help="MujocoPick only: x y (m)"
+    )
     args = parser.parse_args()
     kwargs = {} if args.obs_mode is None else {"obs_mode": args.obs_mode}
-    rate = evaluate_expert(args.env_id, args.episodes, args.seed, **kwargs)
+    expert_kwargs = {"place_noise": args.place_noise, "place_bias": args.place_bias}
+    if args.env_id.startswith("ObstacleReach"):
+        expert_kwargs = {}
+    rate = evaluate_expert(args.env_id, args.episodes, args.seed, expert_kwargs, **kwargs)
     print(json.dumps({"env_id": args.env_id, "episodes": args.episodes, "success_rate": rate}))
