@@ -304,8 +304,15 @@ class AlgoConfig:
             _positive(f"algo.{name}", getattr(self, name))
         for name in ("lr", "critic_lr", "bc_lr", "clip_eps", "clip_eps_final", "grad_spike_sigma"):
             _positive(f"algo.{name}", getattr(self, name))
-        for name in ("weight_decay", "vf_coef", "target_kl", "max_grad_norm", "bc_max_grad_norm", "reg_coef",
-                     "logprob_min_std"):
+        for name in (
+            "weight_decay",
+            "vf_coef",
+            "target_kl",
+            "max_grad_norm",
+            "bc_max_grad_norm",
+            "reg_coef",
+            "logprob_min_std",
+        ):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
         for name in ("gamma", "gae_lambda", "denoise_gamma", "ema_decay", "rollback_drop"):
             _unit(f"algo.{name}", getattr(self, name))

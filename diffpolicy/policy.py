@@ -239,7 +239,9 @@ class DiffusionPolicy(PolicyBase):
             actions = self.action_normalizer.unnormalize(out.x0)
             log_probs = None
             if return_chain:
-                lp = normal_log_prob(out.chain[:, 1:], out.means, self._ratio_std(out.stds))  # (B, K', Ta, Da)
+                lp = normal_log_prob(
+                    out.chain[:, 1:], out.means, self._ratio_std(out.stds)
+                )  # (B, K', Ta, Da)
                 log_probs = self.reduce_executed(lp)
         # Leave inference mode: results may feed autograd later (PPO log-probs of the stored chain).
         clone = lambda t: None if t is None else t.clone()
