@@ -39,10 +39,10 @@ OBS_KEYS = ("rgb", "points", "state", "instruction")
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 KEY_IGNORED_FIELDS = ("num_envs", "vectorization")
+"""EnvConfig fields that do not change what a demonstration holds (left out of the cache key)."""
 DEMOS_VERSION = 5
 """Part of the cache key; bumped when an environment's action or observation semantics change
 (4: MujocoPick actions became tool waypoints; 5: its state observation gained the target's position)."""
-"""EnvConfig fields that do not change what a demonstration holds (left out of the cache key)."""
 
 
 def _no_progress(iterable: Iterable[Any], **_: Any) -> Iterator[Any]:
@@ -129,14 +129,13 @@ def collect_demos(
     env = _make_env(env_cfg)
     try:
         expert = make_expert(env, seed=seed, **env_cfg.expert)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         env.close()
+        if isinstance(err, ValueError):
+            raise
         raise ValueError(
             f"env.expert={dict(env_cfg.expert)} does not fit the scripted expert: {err}"
         ) from None
-    except ValueError:
-        env.close()
-        raise
     attrs = {"env": dataclasses.asdict(env_cfg), "seed": seed, "keep_failures": keep_failures, "obs_every": 1}
     writer = DemoWriter(out, env_id=env_cfg.id, attrs=attrs)
     successes: list[bool] = []
@@ -218,7 +217,7 @@ def main(cfg: CollectConfig, run_dir: Path) -> dict[str, Any]:
             cfg.n_episodes,
             cfg.seed,
             out,
-            cfg.keep_failures or cfg.env.demo_failures,
+            cfg.keep_failures or None,  # None: the env's demo_failures
             progress=log.progress,
         )
         log.log({"rollout/success_rate": summary["success_rate"]}, step=summary["steps"])

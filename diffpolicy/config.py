@@ -58,8 +58,9 @@ class EnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments forwarded to the environment constructor."""
     expert: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the scripted expert that records the demonstrations (MujocoPick:
-    ``place_noise``, the std in metres of an imprecise demonstrator's per-episode release offset)."""
+    """Keyword arguments of the scripted expert that records the demonstrations (MujocoPick: ``place_bias``
+    (x, y) and ``place_noise``, in metres, the constant and per-episode offsets of an imprecise
+    demonstrator's release point)."""
     demo_failures: bool = False
     """Keep the expert's failed episodes in the demonstration set (its whole record, like D4RL's medium
     datasets); false keeps only successes."""

@@ -36,6 +36,7 @@ from diffpolicy.collect import cached_demos, demos_key
 from diffpolicy.config import AlgoConfig, EnvConfig, PolicyConfig, PretrainConfig
 from diffpolicy.data.dataset import DemoReader
 from diffpolicy.device import Runtime
+from diffpolicy.diffusion.schedule import ddpm_loss
 from diffpolicy.logger import Logger
 from diffpolicy.policy_io import build_policy, save_policy
 
@@ -169,10 +170,10 @@ def condition_gap(policy: Any, obs: dict[str, Any], actions: torch.Tensor, seed:
     gen = torch.Generator().manual_seed(seed)
     noise = torch.randn(x0.shape, generator=gen).to(x0.device)
     t = torch.full((B,), max(1, policy.schedule.train_timesteps // 10), device=x0.device)
-    a = policy.schedule.alphas_cumprod[t].view(B, 1, 1)
-    x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
-    right = (policy.denoiser(x_t, t, cond).float() - noise).square().mean()
-    shuffled = (policy.denoiser(x_t, t, cond.roll(1, dims=0)).float() - noise).square().mean()
+    right, shuffled = (
+        ddpm_loss(policy.denoiser, x0, c, policy.schedule, t=t, noise=noise)
+        for c in (cond, cond.roll(1, dims=0))
+    )
     return float(shuffled / right.clamp_min(1e-12))
 
 

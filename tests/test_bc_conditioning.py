@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from diffpolicy.config import EncoderConfig, PolicyConfig
+from diffpolicy.diffusion.schedule import ddpm_loss
 from diffpolicy.policy import make_policy
 
 
@@ -14,12 +15,11 @@ def right_and_shuffled_loss(policy, obs, actions, gen):
     B = actions.shape[0]
     cond = policy.encode(obs, augment=False)  # (B, cond_dim)
     x0 = policy.action_normalizer.normalize(actions)
-    t = torch.full((B,), 10)
-    a = policy.schedule.alphas_cumprod[t].view(-1, 1, 1)
-    noise = torch.randn(x0.shape, generator=gen)
-    x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
-    right = (policy.denoiser(x_t, t, cond) - noise).square().mean()
-    shuffled = (policy.denoiser(x_t, t, cond[torch.randperm(B, generator=gen)]) - noise).square().mean()
+    t, noise = torch.full((B,), 10), torch.randn(x0.shape, generator=gen)
+    shuffled_cond = cond[torch.randperm(B, generator=gen)]
+    right, shuffled = (
+        ddpm_loss(policy.denoiser, x0, c, policy.schedule, t=t, noise=noise) for c in (cond, shuffled_cond)
+    )
     return right, shuffled, cond
 
 

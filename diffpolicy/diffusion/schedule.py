@@ -147,15 +147,20 @@ def ddpm_loss(
     schedule: NoiseSchedule,
     *,
     generator: torch.Generator | None = None,
+    t: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Epsilon-prediction DDPM loss: x0 (B, Ta, Da) normalised actions, cond (B, cond_dim) -> scalar.
 
-    Draws t ~ U{0..T-1} and eps ~ N(0, I) per sample, noises ``x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps`` and
-    returns the mean squared error of ``model(x_t, t, cond)`` against eps (in float32).
+    Draws t ~ U{0..T-1} and eps ~ N(0, I) per sample (or takes the given ``t`` (B,) and ``noise``, e.g. to
+    compare conditions on the same draw), noises ``x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps`` and returns the
+    mean squared error of ``model(x_t, t, cond)`` against eps (in float32).
     """
     B = x0.shape[0]
-    t = torch.randint(0, schedule.train_timesteps, (B,), device=x0.device, generator=generator)
-    noise = torch.randn(x0.shape, device=x0.device, dtype=x0.dtype, generator=generator)
+    if t is None:
+        t = torch.randint(0, schedule.train_timesteps, (B,), device=x0.device, generator=generator)
+    if noise is None:
+        noise = torch.randn(x0.shape, device=x0.device, dtype=x0.dtype, generator=generator)
     a = schedule.alphas_cumprod[t].view(B, 1, 1)
     x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
     return F.mse_loss(model(x_t, t, cond).float(), noise.float())

@@ -287,8 +287,8 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     kwargs = {} if args.obs_mode is None else {"obs_mode": args.obs_mode}
-    expert_kwargs = {"place_noise": args.place_noise, "place_bias": args.place_bias}
-    if args.env_id.startswith("ObstacleReach"):
-        expert_kwargs = {}
+    expert_kwargs = {"place_noise": args.place_noise} if args.place_noise else {}
+    if any(args.place_bias):
+        expert_kwargs["place_bias"] = args.place_bias
     rate = evaluate_expert(args.env_id, args.episodes, args.seed, expert_kwargs, **kwargs)
     print(json.dumps({"env_id": args.env_id, "episodes": args.episodes, "success_rate": rate}))
