@@ -259,6 +259,12 @@ class AlgoConfig:
     """gae (critic + GAE over decisions) | grpo (group-relative: G envs share a seed, no critic)."""
     group_size: int = 4
     """G: environments per group for algo.advantage=grpo."""
+    group_std: bool = True
+    """algo.advantage=grpo: divide each group's centred returns by the group's std (False: Dr. GRPO, centre
+    only, so groups whose returns barely differ weigh little)."""
+    critic_warmup: int = 0
+    """algo.advantage=gae: iterations at the start that train only the critic (DPPO's n_critic_warmup_itr), so
+    that the first policy updates do not follow the advantages of an untrained value function."""
     norm_adv: bool = True
     """Normalise advantages per minibatch."""
     vf_coef: float = 0.5
@@ -299,6 +305,8 @@ class AlgoConfig:
         _choice("algo.normalize", self.normalize, ("mean", "self"))
         _choice("algo.advantage", self.advantage, ("gae", "grpo"))
         _choice("algo.reg", self.reg, ("none", "kl", "bc"))
+        if self.critic_warmup < 0:
+            raise ValueError(f"algo.critic_warmup={self.critic_warmup} must be >= 0")
         for name in ("iterations", "n_steps", "update_epochs", "minibatch_size", "group_size"):
             _positive(f"algo.{name}", getattr(self, name))
         for name in ("bc_epochs", "bc_batch_size", "n_demos", "grad_monitor_window"):

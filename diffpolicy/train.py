@@ -174,7 +174,9 @@ def advantages_for(buffer: RolloutBuffer, last_value: torch.Tensor, cfg: TrainCo
         )
     first = data["rewards"] * data["valid"]  # (T, N) rewards of each env's first episode
     episode_return = first.sum(0).view(-1, g)  # (N / G, G)
-    adv = grpo_advantages(episode_return).view(1, -1).expand_as(first) * data["valid"]  # (T, N)
+    adv = (
+        grpo_advantages(episode_return, scale=cfg.algo.group_std).view(1, -1).expand_as(first) * data["valid"]
+    )  # (T, N)
     return adv.contiguous(), torch.zeros_like(adv)
 
 
@@ -265,6 +267,7 @@ def fine_tune(
                 learner, buffer, adv, ret, algo, clip_eps=clip_eps, runtime=rt, info=info,
                 generator=torch.Generator().manual_seed(seed), monitor=monitor, snapshot=snapshot,
                 logger=logger, step=env_steps, use_critic=not grpo,
+                train_actor=grpo or it >= algo.critic_warmup,
             )  # fmt: skip
             counts = sum_metrics(
                 {"n": stats.env_steps, "ep": stats.episodes, "ok": stats.successes}, info, device

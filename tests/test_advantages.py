@@ -72,6 +72,18 @@ def test_grpo_is_standardised_within_each_group() -> None:
         grpo_advantages(torch.ones(4))
 
 
+def test_grpo_unscaled_keeps_each_groups_spread() -> None:
+    """Dr. GRPO: centre only. A group that differs by shaping noise weighs little; the std version inflates it."""
+    returns = torch.tensor([[3.50, 3.52, 3.48, 3.50], [-3.5, 3.5, 3.5, -3.5]])
+    adv = grpo_advantages(returns, scale=False)
+    torch.testing.assert_close(adv, returns - returns.mean(dim=1, keepdim=True))
+    assert adv[0].abs().max() < 0.05 < 3.0 < adv[1].abs().min()
+    scaled = grpo_advantages(returns)
+    assert (
+        scaled[0].abs().max() > 1.0
+    )  # the 2 cm-of-shaping group looks as decisive as a success/failure split
+
+
 def test_normalize() -> None:
     x = torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=torch.float64)
     y = normalize(x)

@@ -164,6 +164,23 @@ def test_options_run_in_process(tmp_path: Path, init_ckpt: Path, options: list[s
     assert saved["min_std"] == cfg.policy.min_std and saved["ft_steps"] == cfg.policy.ft_steps
 
 
+def test_critic_warmup_trains_only_the_critic(tmp_path: Path, init_ckpt: Path) -> None:
+    from diffpolicy.train import main
+
+    cfg = compose(
+        "train",
+        [*TINY_RUN, *TINY_POLICY, f"policy.init={init_ckpt}", "algo.iterations=2", "algo.critic_warmup=2"],
+    )
+    main(cfg, tmp_path)
+    before = checkpoint.load(init_ckpt).state["policy"]
+    after = checkpoint.load(tmp_path / "checkpoints").state["policy"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "losses/value" in r]
+    assert rows and all(r["losses/value"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="critic_warmup"):
+        compose("train", ["algo.critic_warmup=-1"])
+
+
 def test_grpo_needs_whole_groups(tmp_path: Path, init_ckpt: Path) -> None:
     from diffpolicy.train import main
 

@@ -66,16 +66,23 @@ def gae_loop_reference(
     return adv, adv + v
 
 
-def grpo_advantages(returns: Tensor, eps: float = 1e-6) -> Tensor:
-    """Group-relative advantages: (R - mean) / (std + eps) within each group.
+def grpo_advantages(returns: Tensor, eps: float = 1e-6, scale: bool = True) -> Tensor:
+    """Group-relative advantages: (R - mean) / (std + eps) within each group, or R - mean unscaled.
 
     A group is the G environments reset to the same seed; their episode returns are compared with each
     other, so no critic is needed. The std is the population std (``correction=0``), so a group of one
     gives advantage 0 rather than NaN.
 
+    Dividing by the group's std gives every group the same weight, however little its returns differ: a
+    group whose members all succeeded, and differ only in shaping terms, gets advantages of +-1 from those
+    small differences. ``scale=False`` (Dr. GRPO, Liu et al. 2025) keeps the returns' own scale, so such a
+    group weighs little next to one that split into successes and failures; a batch-wide normalisation
+    (``algo.norm_adv``) then sets the overall scale.
+
     Args:
         returns: (num_groups, G) episode return of each member.
         eps: added to the std (groups whose members all scored the same get advantage 0).
+        scale: divide by the group's std (False: only subtract the group mean).
 
     Returns:
         (num_groups, G) float32 advantages.
@@ -84,6 +91,8 @@ def grpo_advantages(returns: Tensor, eps: float = 1e-6) -> Tensor:
         raise ValueError(f"returns must be (num_groups, G); got shape {tuple(returns.shape)}")
     r = returns.float()
     mean = r.mean(dim=1, keepdim=True)  # (num_groups, 1)
+    if not scale:
+        return r - mean
     std = r.std(dim=1, correction=0, keepdim=True)  # (num_groups, 1)
     return (r - mean) / (std + eps)
 

@@ -77,6 +77,7 @@ def ppo_update(
     logger: Any = None,
     step: int = 0,
     use_critic: bool = True,
+    train_actor: bool = True,
 ) -> dict[str, float]:
     """Run ``cfg.update_epochs`` epochs of minibatch updates; returns averaged ``losses/*`` metrics.
 
@@ -85,6 +86,8 @@ def ppo_update(
         returns: (T, N) value targets.
         clip_eps: (K',) clip range per denoising step.
         use_critic: train the critic (False for GRPO, which needs none).
+        train_actor: update the policy (False during the critic warm-up: only the critic learns, and the
+            chains' log-probs are not even evaluated).
     """
     policy, critic = learner.policy, learner.critic
     params = learner.params()
@@ -102,6 +105,11 @@ def ppo_update(
                 continue
             mb = {k: v[keep] for k, v in mb.items()}
             obs = None if reuse_cond else batch_obs(mb, buffer)
+            if not train_actor:
+                if use_critic:
+                    _critic_step(learner, mb, obs, reuse_cond, cfg, runtime, info, sums)
+                    count += 1
+                continue
             chain, old_logp = mb["chains"], mb["logprobs"]  # (B, K'+1, Ta, Da), (B, K')
             with runtime.autocast():
                 cond = mb["cond"] if reuse_cond else policy.encode(obs, augment=False)  # (B, cond_dim)
@@ -174,6 +182,28 @@ def ppo_update(
     out["losses/epochs"] = float(epochs_run)
     out["stability/skipped_updates"] = float(skipped)
     return out
+
+
+def _critic_step(
+    learner: Learner,
+    mb: dict[str, Tensor],
+    obs: dict[str, Any] | None,
+    reuse_cond: bool,
+    cfg: AlgoConfig,
+    runtime: Any,
+    info: DistInfo,
+    sums: dict[str, float],
+) -> None:
+    """One critic-only step (the warm-up): value loss on the condition, the policy untouched."""
+    with torch.no_grad(), runtime.autocast():
+        cond = mb["cond"] if reuse_cond else learner.policy.encode(obs, augment=False)
+    v_loss = value_loss(learner.critic(cond.float()), mb["returns"])
+    learner.critic_optim.zero_grad(set_to_none=True)
+    v_loss.backward()
+    average_gradients(list(learner.critic.parameters()), info)
+    torch.nn.utils.clip_grad_norm_(learner.critic.parameters(), cfg.max_grad_norm)
+    learner.critic_optim.step()
+    sums["losses/value"] += float(v_loss.detach())
 
 
 def _mean_over_ranks(value: float, info: DistInfo, runtime: Any) -> float:
