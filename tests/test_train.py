@@ -159,6 +159,8 @@ def test_options_run_in_process(tmp_path: Path, init_ckpt: Path, options: list[s
     assert summary is not None and summary["env_steps"] > 0
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert all(r["losses/policy"] is not None for r in rows if "losses/policy" in r)
+    agreement = [r["losses/grad_agreement"] for r in rows if "losses/grad_agreement" in r]
+    assert agreement and all(-1.0 <= a <= 1.0 for a in agreement)
     # the run's sampling settings apply to the loaded policy, whatever the init checkpoint recorded
     saved = checkpoint.load(tmp_path / "checkpoints").config["policy"]
     assert saved["min_std"] == cfg.policy.min_std and saved["ft_steps"] == cfg.policy.ft_steps

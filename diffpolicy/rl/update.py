@@ -93,6 +93,8 @@ def ppo_update(
     params = learner.params()
     sums: dict[str, float] = defaultdict(float)
     count, skipped, epochs_run = 0, 0, 0
+    actor_params = [p for p in policy.parameters() if p.requires_grad]
+    agreement = GradAgreement()
     # Frozen encoders give back the condition stored at rollout time (the reference policy's too: its
     # encoders are the same frozen copy), so the minibatch observations need not be rebuilt or re-encoded.
     reuse_cond = bool(getattr(policy, "encoders_frozen", False)) and "cond" in buffer.fields
@@ -147,6 +149,8 @@ def ppo_update(
                 learner.scaler.update()
                 skipped += 1
                 continue
+            if epochs_run == 0:  # disjoint minibatches of one rollout: do their gradients agree?
+                agreement.update(actor_params)
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             monitor.update(norm, step=step)
             learner.scaler.step(learner.actor_optim)
@@ -179,9 +183,38 @@ def ppo_update(
         ):
             break
     out = {k: v / max(count, 1) for k, v in sums.items()}
+    if agreement.n:
+        out["losses/grad_agreement"] = agreement.mean
     out["losses/epochs"] = float(epochs_run)
     out["stability/skipped_updates"] = float(skipped)
     return out
+
+
+class GradAgreement:
+    """Cosine similarity between the actor gradients of consecutive minibatches (of the first epoch).
+
+    The minibatches hold disjoint decisions, so the cosine estimates how much of each gradient is signal
+    shared across samples rather than sampling noise: near 0 the policy update is mostly a random walk, and
+    a larger batch or a smaller learning rate is needed before the policy can improve.
+    """
+
+    def __init__(self) -> None:
+        self.prev: Tensor | None = None
+        self.total, self.n = 0.0, 0
+
+    def update(self, params: list[nn.Parameter]) -> None:
+        grads = [p.grad.detach().flatten().float() for p in params if p.grad is not None]
+        if not grads:
+            return
+        g = torch.cat(grads)
+        if self.prev is not None:
+            self.total += float(torch.nn.functional.cosine_similarity(g, self.prev, dim=0))
+            self.n += 1
+        self.prev = g
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(self.n, 1)
 
 
 def _critic_step(
