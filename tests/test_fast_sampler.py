@@ -134,3 +134,18 @@ def test_compiled_backend_matches_eager_loop(conditioning):
     opt.step()
     out = sample(net, sched, cond, noise, deterministic=True, backend="compiled")
     torch.testing.assert_close(out.x0, reference(net, sched, cond, noise, deterministic=True), **TOL)
+
+
+@pytest.mark.slow
+def test_compiled_backend_keeps_networks_of_one_architecture_apart():
+    """Guards are reduced on warmed calls: two same-shaped networks must still each get their own weights."""
+    sched = NoiseSchedule(100, 4, 2, eta=1.0)
+    cond, noise = torch.randn(B, COND), torch.randn(B, TA, DA)
+    first = make(dims=(16, 32))
+    torch.manual_seed(1)
+    second = ConditionalUnet1D(DA, COND, [16, 32], n_groups=4, step_embed_dim=16).eval()
+    want = [reference(n, sched, cond, noise, deterministic=True) for n in (first, second)]
+    assert not torch.allclose(want[0], want[1])
+    for net, expected in [(first, want[0]), (second, want[1]), (first, want[0]), (second, want[1])]:
+        out = sample(net, sched, cond, noise, deterministic=True, backend="compiled")
+        torch.testing.assert_close(out.x0, expected, **TOL)

@@ -37,7 +37,7 @@ ENV = EnvConfig(
 
 DEFAULTS: dict[str, Any] = {
     "n_demos": 200,
-    "epochs": 50,
+    "epochs": 100,
     "batch_size": 128,
     "lr": 1e-3,
     "eval_episodes": 100,
