@@ -1,6 +1,6 @@
 """``python -m diffpolicy.serve checkpoint=PATH port=50051``: a trained policy as a gRPC action service.
 
-Reads top to bottom: load the checkpoint into a batched sampler, warm it up at every batch size (before
+Reads top to bottom: load the checkpoint into a batched sampler on the serving thread, warm it up at every batch size (before
 the port opens, so the first request is as fast as the hundredth), serve ``Act`` / ``Health`` with dynamic
 batching (up to ``max_batch`` concurrent requests per policy call, waiting at most ``max_wait_ms``), and on
 SIGTERM / SIGINT stop accepting, finish what is in flight and exit 0 with the summary JSON line.
@@ -84,15 +84,18 @@ def main(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
     from diffpolicy.serving.server import PolicyServer
 
     runtime = Runtime.from_config(cfg.device)
-    sampler = sampler_from_checkpoint(
-        cfg.checkpoint,
-        runtime=runtime,
-        text_backend=cfg.text_backend,
-        deterministic=cfg.deterministic,
-        seed=cfg.seed,
-    )
+
+    def load() -> Any:  # on the serving thread, so that loading and sampling share one thread's state
+        return sampler_from_checkpoint(
+            cfg.checkpoint,
+            runtime=runtime,
+            text_backend=cfg.text_backend,
+            deterministic=cfg.deterministic,
+            seed=cfg.seed,
+        )
+
     server = PolicyServer(
-        sampler,
+        load,
         host=cfg.host,
         port=cfg.port,
         max_batch=cfg.max_batch,
@@ -108,6 +111,7 @@ def main(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
     try:
         server.start()  # warm-up happens here, before the port opens
         started = time.perf_counter()
+        sampler = server.sampler
         ready = {
             "event": "ready",
             "address": server.address,

@@ -208,6 +208,31 @@ def test_failed_warmup_never_opens_the_port():
     assert not server.serving and server.port == 0
 
 
+def test_a_sampler_factory_runs_on_the_serving_thread(serve):
+    built: list[str] = []
+
+    def build() -> FakeSampler:
+        built.append(threading.current_thread().name)
+        return FakeSampler()
+
+    server, client = serve(build, max_batch=2, warmup_rounds=0)
+    assert built == ["diffpolicy-batcher"]  # loading, warm-up and every request share one thread
+    assert isinstance(server.sampler, FakeSampler)
+    assert {thread for _, _, thread in server.sampler.calls} == {"diffpolicy-batcher"}
+    np.testing.assert_allclose(client.act(_obs(2.0)), _expected(2.0))
+    assert client.health()["action_shape"] == (TA, DA)
+
+
+def test_a_failing_factory_never_opens_the_port():
+    def build() -> FakeSampler:
+        raise FileNotFoundError("no checkpoint at /nowhere")
+
+    server = PolicyServer(build, port=0)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        server.start()
+    assert not server.serving and server.port == 0
+
+
 def test_wire_roundtrip_big_endian_and_wrong_dtype():
     from diffpolicy.serving.wire import from_tensor
 
@@ -310,3 +335,14 @@ def test_committed_stubs_match_the_proto(tmp_path):
         assert fresh.read_text() == committed.read_text(), (
             f"{committed.name} is stale: python -m diffpolicy.serving.codegen"
         )
+
+
+def test_serve_benchmark_wiring():
+    """The benchmark builds its policy on the serving thread and reports the sampler time from there."""
+    from diffpolicy.benchmarks.serve import run
+
+    out = run(
+        repeats=1, clients=(1, 2), duration_s=0.2, min_requests=2, max_batch=2, horizon=16, ddim_steps=2
+    )
+    assert out["inprocess_ms"] > 0 and out["served_ms"] >= out["inprocess_ms"]
+    assert out["rps_1"] > 0 and out["rps_2"] > 0 and out["inprocess_ms_b2"] > 0 and out["batch_bound"] > 0

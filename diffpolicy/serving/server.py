@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -129,7 +130,7 @@ class PolicyServer:
 
     def __init__(
         self,
-        sampler: Sampler,
+        sampler: Sampler | Callable[[], Sampler],
         *,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -142,7 +143,10 @@ class PolicyServer:
     ) -> None:
         """
         Args:
-            sampler: the batched policy (``act(obs_batch) -> (B, Ta, Da)``).
+            sampler: the batched policy (``act(obs_batch) -> (B, Ta, Da)``), or a function without
+                arguments that builds it on the serving thread (what ``python -m diffpolicy.serve`` does:
+                on a CPU, model loading and sampling on different threads made batch-1 sampling 2-2.5x
+                slower on 2 cores; see :class:`~diffpolicy.serving.batching.BatchingWorker`).
             host: interface to bind (127.0.0.1 = loopback only; 0.0.0.0 = every interface).
             port: TCP port (0 picks a free one; read :attr:`port` after :meth:`start`).
             max_batch: most requests per sampler call.
@@ -191,9 +195,10 @@ class PolicyServer:
             self.sampler,
             max_batch=self.max_batch,
             max_wait_ms=self.max_wait_ms,
-            warmup=lambda: warm_up(self.sampler, self.max_batch, self.warmup_rounds, self.warmup_sizes),
+            warmup=lambda sampler: warm_up(sampler, self.max_batch, self.warmup_rounds, self.warmup_sizes),
         )
         self.warmup = self.worker.wait_ready()  # on the thread that will serve, before the port opens
+        self.sampler = self.worker.sampler  # built there when a factory was given
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="diffpolicy-rpc"),
             options=[
