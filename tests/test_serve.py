@@ -174,6 +174,30 @@ def test_concurrent_requests_are_batched_and_routed(serve):
     assert max(int(b) for b in stats["batch_sizes"]) <= 8
 
 
+def test_closed_loop_clients_regroup_into_full_batches():
+    """Requests queued during a call must still wait for the clients that call answered (they come back)."""
+    from diffpolicy.serving.batching import BatchingWorker
+
+    worker = BatchingWorker(FakeSampler(delay_s=0.03), max_batch=4, max_wait_ms=25)
+    worker.wait_ready(5)
+    rounds = 10
+
+    def client(tid: int) -> None:
+        time.sleep(0.005 * tid)  # staggered starts: the first call serves whoever came first
+        for _ in range(rounds):
+            worker.submit(_obs(float(tid))).result(10)
+            time.sleep(0.002)  # the client's own round trip before it asks again
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    worker.close(5)
+    assert worker.served == 4 * rounds
+    assert worker.batch_sizes[4] >= rounds - 3, worker.batch_sizes  # full batches once the peak is known
+
+
 def test_lone_client_never_waits_for_a_batch(serve):
     server, client = serve(FakeSampler(), max_batch=8, max_wait_ms=500, warmup_rounds=0)
     t0 = time.perf_counter()

@@ -150,7 +150,7 @@ class PolicyServer:
             host: interface to bind (127.0.0.1 = loopback only; 0.0.0.0 = every interface).
             port: TCP port (0 picks a free one; read :attr:`port` after :meth:`start`).
             max_batch: most requests per sampler call.
-            max_wait_ms: longest a request waits for others to join its batch.
+            max_wait_ms: longest the batching thread, once free, waits for more requests to join a batch.
             workers: gRPC handler threads (= most requests in flight; more get RESOURCE_EXHAUSTED).
             warmup_rounds: extra warm-up calls at batch 1 and max_batch.
             warmup_sizes: all (every batch size 1..max_batch once) | ends (1 and max_batch only).
