@@ -193,9 +193,12 @@ def ppo_update(
 class GradAgreement:
     """Cosine similarity between the actor gradients of consecutive minibatches (of the first epoch).
 
-    The minibatches hold disjoint decisions, so the cosine estimates how much of each gradient is signal
-    shared across samples rather than sampling noise: near 0 the policy update is mostly a random walk, and
-    a larger batch or a smaller learning rate is needed before the policy can improve.
+    The minibatches hold disjoint decisions, so a cosine near 0 means the update is mostly sampling noise (a
+    random walk: a larger batch or a smaller learning rate is needed before the policy can improve). It is
+    an upper bound on the signal, not a measure of it: minibatches of one rollout share its episodes, whose
+    decisions carry one advantage each, so their gradients also agree on that episode-level noise. On
+    mujoco_pick it read 0.03-0.23 (mean 0.08) over 10 iterations, while gradients of independent rollouts
+    had a cosine of about 0.
     """
 
     def __init__(self) -> None:
