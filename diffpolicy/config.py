@@ -305,8 +305,6 @@ class AlgoConfig:
         _choice("algo.normalize", self.normalize, ("mean", "self"))
         _choice("algo.advantage", self.advantage, ("gae", "grpo"))
         _choice("algo.reg", self.reg, ("none", "kl", "bc"))
-        if self.critic_warmup < 0:
-            raise ValueError(f"algo.critic_warmup={self.critic_warmup} must be >= 0")
         for name in ("iterations", "n_steps", "update_epochs", "minibatch_size", "group_size"):
             _positive(f"algo.{name}", getattr(self, name))
         for name in ("bc_epochs", "bc_batch_size", "n_demos", "grad_monitor_window"):
@@ -321,6 +319,7 @@ class AlgoConfig:
             "bc_max_grad_norm",
             "reg_coef",
             "logprob_min_std",
+            "critic_warmup",
         ):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
         for name in ("gamma", "gae_lambda", "denoise_gamma", "ema_decay", "rollback_drop"):

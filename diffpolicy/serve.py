@@ -1,9 +1,10 @@
 """``python -m diffpolicy.serve checkpoint=PATH port=50051``: a trained policy as a gRPC action service.
 
-Reads top to bottom: load the checkpoint into a batched sampler on the serving thread, warm it up at every batch size (before
-the port opens, so the first request is as fast as the hundredth), serve ``Act`` / ``Health`` with dynamic
-batching (up to ``max_batch`` concurrent requests per policy call, waiting at most ``max_wait_ms``), and on
-SIGTERM / SIGINT stop accepting, finish what is in flight and exit 0 with the summary JSON line.
+Reads top to bottom: load the checkpoint into a batched sampler on the serving thread, warm it up at every
+batch size (before the port opens, so the first request is as fast as the hundredth), serve ``Act`` /
+``Health`` with dynamic batching (up to ``max_batch`` concurrent requests per policy call, waiting at most
+``max_wait_ms``), and on SIGTERM / SIGINT stop accepting, finish what is in flight and exit 0 with the
+summary JSON line.
 
 When the port is open, one line ``{"event": "ready", "address": "HOST:PORT", ...}`` is printed on stdout
 and ``endpoint.json`` is written into the run directory (useful with ``port=0``, which picks a free port).

@@ -87,15 +87,16 @@ class BatchingWorker:
             max_batch: most requests per ``sampler.act`` call.
             max_wait_ms: longest the worker, once free, waits for more requests to join a batch.
             window: batches over which the peak of outstanding requests is remembered.
-            warmup: called with the sampler on the worker thread before it serves (per-thread state such as OpenMP pools,
-                CUDA/NPU streams and graph caches is then warm where requests run); see :meth:`wait_ready`.
+            warmup: called with the sampler on the worker thread before it serves (per-thread state such as
+                OpenMP pools, CUDA/NPU streams and graph caches is then warm where requests run); see
+                :meth:`wait_ready`.
         """
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         if max_wait_ms < 0:
             raise ValueError(f"max_wait_ms={max_wait_ms} must be >= 0")
-        self._build = None if hasattr(sampler, "act") else sampler
-        self.sampler: Sampler | None = None if self._build is not None else sampler  # type: ignore[assignment]
+        self._build = None if hasattr(sampler, "act") else sampler  # a factory: built on the worker thread
+        self.sampler: Any = sampler if self._build is None else None
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1e3
         self.batch_sizes: collections.Counter[int] = collections.Counter()
