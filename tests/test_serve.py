@@ -362,11 +362,13 @@ def test_committed_stubs_match_the_proto(tmp_path):
 
 
 def test_serve_benchmark_wiring():
-    """The benchmark builds its policy on the serving thread and reports the sampler time from there."""
+    """The benchmark builds its policy on the serving thread and reports the sampler time from there; the
+    client levels run in a separate process, once per repeat, and their latencies are pooled."""
     from diffpolicy.benchmarks.serve import run
 
     out = run(
-        repeats=1, clients=(1, 2), duration_s=0.2, min_requests=2, max_batch=2, horizon=16, ddim_steps=2
+        repeats=2, clients=(1, 2), duration_s=0.2, min_requests=2, max_batch=2, horizon=16, ddim_steps=2
     )
     assert out["inprocess_ms"] > 0 and out["served_ms"] >= out["inprocess_ms"]
+    assert out["requests_1"] >= 2 * 2 and out["requests_2"] >= 2 * 2 * 2  # repeats x clients x min_requests
     assert out["rps_1"] > 0 and out["rps_2"] > 0 and out["inprocess_ms_b2"] > 0 and out["batch_bound"] > 0
