@@ -274,7 +274,9 @@ class AlgoConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
     reg: str = "none"
-    """Regulariser toward the pre-trained policy: none | kl | bc."""
+    """Regulariser toward the pre-trained policy, on the minibatch's stored chains: none | kl (closed-form KL of
+    each step's Gaussians, which share their std: squared mean gap / 2 sigma^2) | bc (squared gap between the
+    step means and the frozen pre-trained policy's, unscaled by sigma)."""
     reg_coef: float = 0.0
     """Weight of the regulariser."""
     grad_monitor_window: int = 20

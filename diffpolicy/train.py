@@ -207,7 +207,11 @@ def fine_tune(
     algo, device = cfg.algo, rt.device
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
     policy, init_path = initial_policy(cfg, rt, info, run_dir)
-    reference = copy.deepcopy(policy).eval().requires_grad_(False) if algo.reg == "kl" else None
+    reference = (  # the frozen pre-trained policy the regulariser pulls toward
+        copy.deepcopy(policy).eval().requires_grad_(False)
+        if algo.reg != "none" and algo.reg_coef > 0
+        else None
+    )
     critic = Critic(cfg.policy.cond_dim).to(device)
     actor_params = [p for p in policy.parameters() if p.requires_grad]
     learner = Learner(

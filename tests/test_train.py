@@ -146,8 +146,9 @@ def test_sigkill_mid_run_then_resume_matches(
             "policy.min_std=0.05",
         ],  # fmt: skip
         ["device.precision=bf16", "algo.finetune_encoders=true"],
+        ["algo.reg=bc", "algo.reg_coef=1.0", "algo.lr=1e-3"],
     ],
-    ids=["grpo", "stabledrl", "kl-reg", "bf16"],
+    ids=["grpo", "stabledrl", "kl-reg", "bf16", "bc-reg"],
 )
 def test_options_run_in_process(tmp_path: Path, init_ckpt: Path, options: list[str]) -> None:
     from diffpolicy.train import main
@@ -159,6 +160,8 @@ def test_options_run_in_process(tmp_path: Path, init_ckpt: Path, options: list[s
     assert summary is not None and summary["env_steps"] > 0
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert all(r["losses/policy"] is not None for r in rows if "losses/policy" in r)
+    if any(o.startswith("algo.reg=") for o in options):  # the policy moved: the regulariser pulls it back
+        assert max(r["losses/regularizer"] for r in rows if "losses/regularizer" in r) > 0
     agreement = [r["losses/grad_agreement"] for r in rows if "losses/grad_agreement" in r]
     assert agreement and all(-1.0 <= a <= 1.0 for a in agreement)
     # the run's sampling settings apply to the loaded policy, whatever the init checkpoint recorded

@@ -41,7 +41,7 @@ class Learner:
     critic_optim: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     reference: nn.Module | None = None
-    """Frozen pre-trained policy for the KL regulariser (None without one)."""
+    """Frozen pre-trained policy for the KL or BC regulariser (None without one)."""
 
     def params(self) -> list[nn.Parameter]:
         """Trainable parameters of policy and critic, in a fixed order."""
@@ -128,13 +128,13 @@ def ppo_update(
                 v_loss = value_loss(critic(cond.detach()), mb["returns"])
                 loss = loss + cfg.vf_coef * v_loss
             reg = torch.zeros((), device=loss.device)
-            if cfg.reg == "kl" and learner.reference is not None and cfg.reg_coef > 0:
+            if cfg.reg != "none" and learner.reference is not None and cfg.reg_coef > 0:
                 with runtime.autocast():
                     mean, std = policy.transition_mean_std(chain, cond)  # (B, K', Ta, Da)
                 with torch.no_grad(), runtime.autocast():
                     ref_cond = cond if reuse_cond else learner.reference.encode(obs)
                     ref_mean, _ = learner.reference.transition_mean_std(chain, ref_cond)
-                reg = regularizer("kl", means=mean.float(), ref_means=ref_mean.float(), stds=std)
+                reg = regularizer(cfg.reg, means=mean.float(), ref_means=ref_mean.float(), stds=std)
                 loss = loss + cfg.reg_coef * reg
             learner.actor_optim.zero_grad(set_to_none=True)
             learner.critic_optim.zero_grad(set_to_none=True)
