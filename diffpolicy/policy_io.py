@@ -123,8 +123,11 @@ def policy_obs_spec(policy: Any, env_cfg: EnvConfig | None = None) -> dict[str, 
     return env_spec(env_cfg)[0]
 
 
-def _dataclass_from(cls: type, raw: Any, what: str, path: Path) -> Any:
-    """Plain dict -> ``cls`` with exactly its fields (CheckpointError naming the odd fields otherwise)."""
+def _dataclass_from(cls: type, raw: Any, what: str, path: Path, *, allow_missing: bool = False) -> Any:
+    """Plain dict -> ``cls`` with exactly its fields (CheckpointError naming the odd fields otherwise).
+
+    ``allow_missing`` lets fields the checkpoint lacks take their defaults (older checkpoints).
+    """
     if not isinstance(raw, dict):
         raise CheckpointError(f"checkpoint {path}: config['{what}'] is not a mapping")
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -134,17 +137,29 @@ def _dataclass_from(cls: type, raw: Any, what: str, path: Path) -> Any:
             f"checkpoint {path}: config['{what}'] has unknown fields {unknown} (written by other code?)"
         )
     missing = sorted(fields - set(raw))
-    if missing:
+    if missing and not allow_missing:
         raise CheckpointError(
             f"checkpoint {path}: config['{what}'] lacks fields {missing} (written by older code?)"
         )
     values = dict(raw)
-    if cls is PolicyConfig:
-        values["encoder"] = _dataclass_from(EncoderConfig, raw["encoder"], f"{what}.encoder", path)
+    if cls is PolicyConfig and "encoder" in raw:
+        values["encoder"] = _dataclass_from(
+            EncoderConfig, raw["encoder"], f"{what}.encoder", path, allow_missing=allow_missing
+        )
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: config['{what}'] is invalid ({exc})") from None
+
+
+def policy_config_from(ckpt: Checkpoint, *, allow_missing: bool = False) -> PolicyConfig:
+    """The PolicyConfig a checkpoint was written with (validated again); ``allow_missing`` gives fields the
+    checkpoint lacks their defaults."""
+    if "policy" not in ckpt.config:
+        raise CheckpointError(f"checkpoint {ckpt.path} lacks config['policy'] (not a policy checkpoint?)")
+    return _dataclass_from(
+        PolicyConfig, ckpt.config["policy"], "policy", ckpt.path, allow_missing=allow_missing
+    )
 
 
 def configs_from(ckpt: Checkpoint) -> tuple[EnvConfig, PolicyConfig]:
@@ -182,19 +197,37 @@ def load_policy(
             not match the rebuilt policy (nothing is modified in that case).
     """
     ckpt = checkpoint.load(path)
-    if "policy" not in ckpt.state:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds no 'policy' weights (has {sorted(ckpt.state)})")
-    for key in ("obs_spec", "action_dim"):
-        if key not in ckpt.extra:
-            raise CheckpointError(f"checkpoint {ckpt.path} lacks extra['{key}'] (not a policy checkpoint?)")
+    check_policy_checkpoint(ckpt)
     env_cfg, policy_cfg = configs_from(ckpt)
     if env_overrides:
         unknown = sorted(set(env_overrides) - {f.name for f in dataclasses.fields(EnvConfig)})
         if unknown:
             raise ValueError(f"env_overrides has unknown EnvConfig fields {unknown}")
         env_cfg = dataclasses.replace(env_cfg, **env_overrides)
+    return policy_from(ckpt, policy_cfg, device, text_backend=text_backend), env_cfg, ckpt
+
+
+def check_policy_checkpoint(ckpt: Checkpoint) -> None:
+    """CheckpointError unless ``ckpt`` holds policy weights, ``extra["obs_spec"]`` and ``extra["action_dim"]``."""
+    if "policy" not in ckpt.state:
+        raise CheckpointError(f"checkpoint {ckpt.path} holds no 'policy' weights (has {sorted(ckpt.state)})")
+    for key in ("obs_spec", "action_dim"):
+        if key not in ckpt.extra:
+            raise CheckpointError(f"checkpoint {ckpt.path} lacks extra['{key}'] (not a policy checkpoint?)")
+
+
+def policy_from(
+    ckpt: Checkpoint,
+    policy_cfg: PolicyConfig,
+    device: str | torch.device = "cpu",
+    *,
+    text_backend: str | None = None,
+) -> Any:
+    """The policy of a loaded checkpoint, built from ``policy_cfg``, with its weights, on ``device``, in eval
+    mode (``text_backend`` None or '': the checkpoint's ``extra["text_backend"]``, else ``minilm``)."""
+    check_policy_checkpoint(ckpt)
     spec = {k: [] if k == "instruction" else list(v) for k, v in dict(ckpt.extra["obs_spec"]).items()}
     backend = text_backend or str(ckpt.extra.get("text_backend", "minilm"))
     policy = build_policy(policy_cfg, spec, int(ckpt.extra["action_dim"]), text_backend=backend)
     checkpoint.load_state(policy, ckpt.state["policy"], name="policy")
-    return policy.to(device).eval(), env_cfg, ckpt
+    return policy.to(device).eval()

@@ -7,14 +7,13 @@ What a checkpoint must hold (written by ``diffpolicy.checkpoint.save``):
 - ``extra["obs_spec"]``: observation key -> per-step shape list (``instruction``: any value);
 - ``extra["action_dim"]``: Da.
 
-The policy is rebuilt with :func:`diffpolicy.policy.make_policy` and sampled with
+The policy is rebuilt by :func:`diffpolicy.policy_io.policy_from` and sampled with
 ``DiffusionPolicy.sample(obs, deterministic=..., generator=...)`` whose ``actions`` are (B, Ta, Da) in
 environment units.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,52 +21,30 @@ import numpy as np
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.checkpoint import CheckpointError
-from diffpolicy.config import PolicyConfig
 from diffpolicy.device import Runtime
+from diffpolicy.policy_io import check_policy_checkpoint, policy_config_from, policy_from
 from diffpolicy.serving.wire import ObsSpec, obs_spec_from_shapes
-
-
-def policy_config(raw: dict[str, Any]) -> PolicyConfig:
-    """A checkpoint's ``config["policy"]`` -> validated PolicyConfig (CheckpointError on unknown fields)."""
-    known = {f.name for f in dataclasses.fields(PolicyConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise CheckpointError(f"checkpoint's policy config has unknown fields {unknown} (newer code?)")
-    return PolicyConfig(**raw)
 
 
 def load_policy(
     path: str | Path, *, device: str | torch.device = "cpu", text_backend: str = ""
 ) -> tuple[torch.nn.Module, dict[str, Any], checkpoint.Checkpoint]:
-    """Rebuild the policy of a checkpoint in eval mode on ``device``.
+    """Rebuild the policy of a checkpoint in eval mode on ``device``, for serving and export.
 
     ``text_backend`` '' takes the checkpoint's ``extra["text_backend"]`` (written by
     ``diffpolicy.policy_io.save_policy``), else ``minilm``. Unlike ``policy_io.load_policy`` this needs no
-    ``config["env"]`` and accepts configs that lack newer PolicyConfig fields (their defaults apply).
+    ``config["env"]`` and accepts configs that lack newer PolicyConfig fields (their defaults apply); the
+    policy runs eager (``compile`` off: serving and export trace the eager graph).
 
     Returns:
         (policy, obs_spec shapes from ``extra["obs_spec"]``, the loaded checkpoint).
     """
-    from diffpolicy.policy import make_policy
-
     ckpt = checkpoint.load(path)
-    if "policy" not in ckpt.state:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds no 'policy' weights (has {sorted(ckpt.state)})")
-    for key in ("obs_spec", "action_dim"):
-        if key not in ckpt.extra:
-            raise CheckpointError(
-                f"checkpoint {ckpt.path} lacks extra['{key}'] (written by an older trainer?)"
-            )
-    if "policy" not in ckpt.config:
-        raise CheckpointError(f"checkpoint {ckpt.path} lacks config['policy']")
-    cfg = policy_config(dict(ckpt.config["policy"]))
-    cfg.compile = False  # serving and export trace the eager graph
-    shapes = dict(ckpt.extra["obs_spec"])
-    backend = text_backend or str(ckpt.extra.get("text_backend", "minilm"))
-    policy = make_policy(cfg, shapes, int(ckpt.extra["action_dim"]), text_backend=backend)
-    checkpoint.load_state(policy, ckpt.state["policy"], name="policy")
-    return policy.to(device).eval(), shapes, ckpt
+    check_policy_checkpoint(ckpt)
+    cfg = policy_config_from(ckpt, allow_missing=True)
+    cfg.compile = False
+    policy = policy_from(ckpt, cfg, device, text_backend=text_backend)
+    return policy, dict(ckpt.extra["obs_spec"]), ckpt
 
 
 class PolicySampler:
