@@ -217,7 +217,7 @@ def main(cfg: CollectConfig, run_dir: Path) -> dict[str, Any]:
             cfg.n_episodes,
             cfg.seed,
             out,
-            cfg.keep_failures or None,  # None: the env's demo_failures
+            cfg.keep_failures,  # None: the env's demo_failures
             progress=log.progress,
         )
         log.log({"rollout/success_rate": summary["success_rate"]}, step=summary["steps"])

@@ -442,8 +442,9 @@ class CollectConfig:
     """First episode seed (episode i uses seed + i)."""
     out: str = ""
     """Output dataset directory ('' writes ``demos`` in the run directory)."""
-    keep_failures: bool = False
-    """Also store episodes where the expert failed."""
+    keep_failures: bool | None = None
+    """Also store episodes where the expert failed (null: the environment's ``env.demo_failures``; true or
+    false overrides it)."""
 
     def __post_init__(self) -> None:
         _positive("n_episodes", self.n_episodes)

@@ -104,6 +104,10 @@ def test_collect_cli(tmp_path):
     assert set(summary) == KEYS and summary["path"] == str(tmp_path / "run" / "demos")
     assert DemoReader(summary["path"]).num_steps == summary["steps"]
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+    from diffpolicy.cli import compose
+
+    assert compose("collect", ["env=mujoco_pick"]).keep_failures is None  # the env's demo_failures decides
+    assert compose("collect", ["env=mujoco_pick", "keep_failures=false"]).keep_failures is False
     bad = _run(["env=gym", "n_episodes=1", f"hydra.run.dir={tmp_path / 'g'}"], tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: env=gym")
     assert len([ln for ln in bad.stderr.splitlines() if ln.startswith("error")]) == 1
