@@ -164,12 +164,10 @@ def policy_config_from(ckpt: Checkpoint, *, allow_missing: bool = False) -> Poli
 
 def configs_from(ckpt: Checkpoint) -> tuple[EnvConfig, PolicyConfig]:
     """The EnvConfig and PolicyConfig a checkpoint was written with (validated again)."""
-    for key in ("env", "policy"):
-        if key not in ckpt.config:
-            raise CheckpointError(f"checkpoint {ckpt.path} lacks config['{key}'] (not a policy checkpoint?)")
-    env_cfg = _dataclass_from(EnvConfig, ckpt.config["env"], "env", ckpt.path)
-    policy_cfg = _dataclass_from(PolicyConfig, ckpt.config["policy"], "policy", ckpt.path)
-    return env_cfg, policy_cfg
+    if "env" not in ckpt.config:
+        raise CheckpointError(f"checkpoint {ckpt.path} lacks config['env'] (not a policy checkpoint?)")
+    policy_cfg = policy_config_from(ckpt)
+    return _dataclass_from(EnvConfig, ckpt.config["env"], "env", ckpt.path), policy_cfg
 
 
 def load_policy(
@@ -197,7 +195,6 @@ def load_policy(
             not match the rebuilt policy (nothing is modified in that case).
     """
     ckpt = checkpoint.load(path)
-    check_policy_checkpoint(ckpt)
     env_cfg, policy_cfg = configs_from(ckpt)
     if env_overrides:
         unknown = sorted(set(env_overrides) - {f.name for f in dataclasses.fields(EnvConfig)})
@@ -205,15 +202,6 @@ def load_policy(
             raise ValueError(f"env_overrides has unknown EnvConfig fields {unknown}")
         env_cfg = dataclasses.replace(env_cfg, **env_overrides)
     return policy_from(ckpt, policy_cfg, device, text_backend=text_backend), env_cfg, ckpt
-
-
-def check_policy_checkpoint(ckpt: Checkpoint) -> None:
-    """CheckpointError unless ``ckpt`` holds policy weights, ``extra["obs_spec"]`` and ``extra["action_dim"]``."""
-    if "policy" not in ckpt.state:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds no 'policy' weights (has {sorted(ckpt.state)})")
-    for key in ("obs_spec", "action_dim"):
-        if key not in ckpt.extra:
-            raise CheckpointError(f"checkpoint {ckpt.path} lacks extra['{key}'] (not a policy checkpoint?)")
 
 
 def policy_from(
@@ -225,7 +213,11 @@ def policy_from(
 ) -> Any:
     """The policy of a loaded checkpoint, built from ``policy_cfg``, with its weights, on ``device``, in eval
     mode (``text_backend`` None or '': the checkpoint's ``extra["text_backend"]``, else ``minilm``)."""
-    check_policy_checkpoint(ckpt)
+    if "policy" not in ckpt.state:
+        raise CheckpointError(f"checkpoint {ckpt.path} holds no 'policy' weights (has {sorted(ckpt.state)})")
+    for key in ("obs_spec", "action_dim"):
+        if key not in ckpt.extra:
+            raise CheckpointError(f"checkpoint {ckpt.path} lacks extra['{key}'] (not a policy checkpoint?)")
     spec = {k: [] if k == "instruction" else list(v) for k, v in dict(ckpt.extra["obs_spec"]).items()}
     backend = text_backend or str(ckpt.extra.get("text_backend", "minilm"))
     policy = build_policy(policy_cfg, spec, int(ckpt.extra["action_dim"]), text_backend=backend)

@@ -114,9 +114,7 @@ def run(repeats: int = 3, threads: int = 2, **kw: Any) -> dict:
         )
         if 1 in clients:
             result["p50_over_inprocess"] = round(result["served_ms"] / result["inprocess_ms"], 3)
-        if (
-            1 in clients and 16 in clients
-        ):  # each repeat's ratio (levels timed minutes apart), then the median
+        if 1 in clients and 16 in clients:  # each repeat's own ratio, then the median
             ratios = [r16["rps"] / r1["rps"] for r1, r16 in zip(levels[1], levels[16], strict=True)]
             result["rps_16_over_1"] = round(statistics.median(ratios), 3)
             result["rps_16_over_1_runs"] = [round(r, 3) for r in ratios]

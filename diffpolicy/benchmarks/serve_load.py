@@ -16,17 +16,13 @@ import numpy as np
 from diffpolicy.serving.client import PolicyClient
 
 
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
-
-
 def closed_loop(
     address: str, n_clients: int, duration_s: float, min_requests: int, state_dim: int
 ) -> dict[str, Any]:
     """``n_clients`` threads, each on its own channel, sending requests back to back.
 
-    Returns p50 / p99 latency (ms), requests per second, every request's latency (ms), the mean batch size
-    the server reported and the median sampler time (``compute_ms``) per batch size.
+    Returns requests per second, every request's latency (ms), the mean batch size the server reported and
+    the median sampler time (``compute_ms``) per batch size.
     """
     latencies: list[list[float]] = [[] for _ in range(n_clients)]
     sizes: list[int] = []
@@ -59,10 +55,7 @@ def closed_loop(
     wall = time.perf_counter() - start
     flat = [x for per in latencies for x in per]
     return {
-        "p50_ms": _percentile(flat, 50),
-        "p99_ms": _percentile(flat, 99),
         "rps": len(flat) / wall,
-        "requests": len(flat),
         "latencies": flat,
         "mean_batch": float(np.mean(sizes)) if sizes else 0.0,
         "compute_ms": {b: statistics.median(v) for b, v in compute.items()},

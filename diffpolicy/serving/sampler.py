@@ -22,7 +22,7 @@ import torch
 
 from diffpolicy import checkpoint
 from diffpolicy.device import Runtime
-from diffpolicy.policy_io import check_policy_checkpoint, policy_config_from, policy_from
+from diffpolicy.policy_io import policy_config_from, policy_from
 from diffpolicy.serving.wire import ObsSpec, obs_spec_from_shapes
 
 
@@ -40,7 +40,6 @@ def load_policy(
         (policy, obs_spec shapes from ``extra["obs_spec"]``, the loaded checkpoint).
     """
     ckpt = checkpoint.load(path)
-    check_policy_checkpoint(ckpt)
     cfg = policy_config_from(ckpt, allow_missing=True)
     cfg.compile = False
     policy = policy_from(ckpt, cfg, device, text_backend=text_backend)
