@@ -60,7 +60,7 @@ class EnvConfig:
     expert: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the scripted expert that records the demonstrations (MujocoPick: ``place_bias``
     (x, y) and ``place_noise``, in metres, the constant and per-episode offsets of an imprecise
-    demonstrator's release point)."""
+    demonstrator's release point; ``max_speed``, metres per step, a cautious demonstrator's tool speed)."""
     demo_failures: bool = False
     """Keep the expert's failed episodes in the demonstration set (its whole record, like D4RL's medium
     datasets); false keeps only successes. Behaviour cloning skips failed episodes either way."""

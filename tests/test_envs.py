@@ -23,6 +23,8 @@ from diffpolicy_envs.mujoco_pick import (
     COLORS,
     HOME_YAW,
     MAX_TOOL_STEP,
+    TOOL_HIGH,
+    TOOL_LOW,
     MujocoPickEnv,
     pose_action,
     rotation_error,
@@ -294,6 +296,34 @@ def test_imprecise_pick_expert_misses_the_tray_sometimes():
     np.testing.assert_array_equal(biased.place_offset, [0.0, 0.065])
     with pytest.raises(ValueError, match="place_bias"):
         make_expert(env, place_bias=[0.1])
+
+
+def test_cautious_pick_expert_is_slower_and_still_succeeds():
+    """max_speed caps the waypoint the expert commands to that distance (m) from the tool position at the
+    current joint targets; the same scene then takes more steps, and the cube still ends in the tray."""
+    env = gym.make("diffpolicy_envs:MujocoPick-v0", obs_mode="state", max_episode_steps=300)
+    u = env.unwrapped
+    lengths = {}
+    for speed in (None, 0.008):
+        expert = make_expert(env, max_speed=speed)
+        env.reset(seed=1003)
+        steps = 0
+        while steps < 300:
+            steps += 1
+            start = u.tool_pos_at(u.q_target)
+            action = expert.act(env)
+            commanded = TOOL_LOW + 0.5 * (action[:3] + 1.0) * (TOOL_HIGH - TOOL_LOW)
+            if speed is not None:
+                assert np.linalg.norm(commanded - start) <= speed + 1e-6
+            _, _, terminated, truncated, info = env.step(action)
+            if terminated or truncated:
+                break
+        assert info["is_success"]
+        lengths[speed] = steps
+    assert lengths[0.008] > 1.2 * lengths[None]
+    for bad in (0.0, -0.01, float("nan")):
+        with pytest.raises(ValueError, match="max_speed"):
+            make_expert(env, max_speed=bad)
 
 
 def test_pose_action_is_a_waypoint_reached_at_limited_speed():

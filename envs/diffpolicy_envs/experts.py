@@ -53,6 +53,11 @@ class PickExpert:
     invisible in the observation), so some cubes land on the tray's rim or beside it. The offsets come from
     the expert's own generator (``seed``), never from the environment's.
 
+    ``max_speed`` makes a cautious demonstrator (pose mode only): each step it commands a waypoint at most
+    ``max_speed`` metres from the tool position at the current joint targets, instead of the phase goal itself,
+    so the tool moves at most that fast (the environment's own limit is ``MAX_TOOL_STEP`` = 1.2 cm per step).
+    Its episodes take longer, and with the 120-step limit the slowest ones run out of time.
+
     Args:
         env: a ``MujocoPick-v0`` env (wrapped or not).
         step_len: largest tool displacement (m) commanded per control step in free space.
@@ -60,6 +65,8 @@ class PickExpert:
         place_noise: std (m) of the per-episode release offset; 0 (default) is the precise expert.
         place_bias: constant release offset (x, y) in metres; (0, 0) by default.
         seed: seeds the release offsets.
+        max_speed: largest tool displacement (m) per control step in pose mode; None (default) is the
+            environment's limit.
     """
 
     def __init__(
@@ -70,10 +77,14 @@ class PickExpert:
         place_noise: float = 0.0,
         place_bias: tuple[float, float] | list[float] = (0.0, 0.0),
         seed: int | None = None,
+        max_speed: float | None = None,
     ):
         u = env.unwrapped
         if not isinstance(u, MujocoPickEnv):
             raise ValueError(f"PickExpert needs a MujocoPickEnv, got {type(u).__name__}")
+        if max_speed is not None and not (np.isfinite(max_speed) and max_speed > 0):
+            raise ValueError(f"max_speed must be None or a finite speed > 0 (m per step), got {max_speed}")
+        self.max_speed = None if max_speed is None else float(max_speed)
         if not np.isfinite(place_noise) or place_noise < 0:
             raise ValueError(f"place_noise must be a finite std >= 0 (m), got {place_noise}")
         self.step_len = step_len
@@ -150,6 +161,8 @@ class PickExpert:
             goal, grip = np.array([*place, above + 0.04]), OPEN
 
         if u.action_mode == "pose":  # the phase's goal itself: the environment limits the tool's speed
+            if self.max_speed is not None:
+                goal = step_toward(u.tool_pos_at(u.q_target), goal, self.max_speed)
             return pose_action(goal, self._yaw, grip)
         step = self.fine_step_len if fine else self.step_len
         target = step_toward(u.tool_pos_at(u.q_target), goal, step)
