@@ -41,7 +41,8 @@ class Learner:
     critic_optim: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     reference: nn.Module | None = None
-    """Frozen pre-trained policy for the KL or BC regulariser (None without one)."""
+    """Frozen pre-trained policy for the KL or BC regulariser; None when there is none (``algo.reg`` none or
+    ``algo.reg_coef`` 0), so its presence is what switches the regulariser on."""
 
     def params(self) -> list[nn.Parameter]:
         """Trainable parameters of policy and critic, in a fixed order."""
@@ -128,7 +129,7 @@ def ppo_update(
                 v_loss = value_loss(critic(cond.detach()), mb["returns"])
                 loss = loss + cfg.vf_coef * v_loss
             reg = torch.zeros((), device=loss.device)
-            if cfg.reg != "none" and learner.reference is not None and cfg.reg_coef > 0:
+            if learner.reference is not None:
                 with runtime.autocast():
                     mean, std = policy.transition_mean_std(chain, cond)  # (B, K', Ta, Da)
                 with torch.no_grad(), runtime.autocast():
