@@ -10,8 +10,20 @@ actions from a seeded generator, so the numbers do not depend on a policy):
 | ``state_obs_sps`` | ``obs_mode="state"``: physics only, no rendering |
 | ``obstacle_reach_sps`` | ``ObstacleReach-v0`` |
 
-Targets (issue 3): ``full_obs_sps >= 70`` and ``replan_obs_sps >= 230`` on one core. Torch and OpenMP are
-limited to one thread for the measurement; rendering is headless (``MUJOCO_GL=egl`` unless set).
+and, over ``state_steps`` steps with a pre-drawn sequence of random actions (no random draws timed):
+
+| key | what |
+|---|---|
+| ``state_sps`` | ``obs_mode="state"`` steps per second of the ``gymnasium.make`` env (IK, physics, reward, obs) |
+| ``physics_sps`` | the same steps' physics alone: the recorded controls replayed with ``mujoco.mj_step`` (20 substeps per step) from the same states on the same model |
+| ``state_over_physics`` | time of a state step over the time of its physics: the median over repeats of the paired ratio |
+
+Each repeat times the env and its physics replay back to back, so a load change on a shared machine moves
+both; the ratio is the Python overhead of a step on top of its physics.
+
+Targets: ``full_obs_sps >= 70`` and ``replan_obs_sps >= 230`` on one core (issue 3), ``state_over_physics
+<= 1.5`` (issue 16). Torch and OpenMP are limited to one thread for the measurement; rendering is headless
+(``MUJOCO_GL=egl`` unless set).
 """
 
 from __future__ import annotations
@@ -58,6 +70,75 @@ def _steps_per_second(env_id: str, steps: int, repeats: int, seed: int, **env_kw
     return float(statistics.median(rates))
 
 
+def _state_and_physics(steps: int, repeats: int, seed: int) -> dict[str, float]:
+    """``state_sps``, ``physics_sps`` and ``state_over_physics`` of MujocoPick-v0 (see the module docstring)."""
+    import gymnasium as gym
+    import mujoco
+    import numpy as np
+
+    from diffpolicy_envs.mujoco_pick import N_SUBSTEPS
+
+    env = gym.make("diffpolicy_envs:MujocoPick-v0", obs_mode="state")
+    u = env.unwrapped
+    m = u.model
+    actions = np.random.default_rng(seed).uniform(-1.0, 1.0, (steps, 7)).astype(np.float32)
+
+    def run_env(episode_seed: int, record: bool) -> tuple[float, list]:
+        """Seconds for ``steps`` env steps; with ``record`` also the physics inputs, one segment per episode:
+        (tray position, MjData right after the reset, controls of each step)."""
+        segments: list = []
+
+        def new_segment() -> None:
+            if record:
+                segments.append((m.body_pos[u.tray_body].copy(), mujoco.MjData(m), []))
+                mujoco.mj_copyData(segments[-1][1], m, u.data)
+
+        env.reset(seed=episode_seed)
+        new_segment()
+        start = time.perf_counter()
+        for action in actions:
+            _, _, terminated, truncated, _ = env.step(action)
+            if record:
+                segments[-1][2].append(u.data.ctrl.copy())
+            if terminated or truncated:
+                env.reset()
+                new_segment()
+        return time.perf_counter() - start, segments
+
+    def run_physics(segments: list, scratch: mujoco.MjData) -> float:
+        """Seconds to replay ``segments`` with ``mj_step`` alone."""
+        start = time.perf_counter()
+        for tray, data, controls in segments:
+            m.body_pos[u.tray_body] = tray
+            mujoco.mj_copyData(scratch, m, data)
+            for ctrl in controls:
+                scratch.ctrl[:] = ctrl
+                mujoco.mj_step(m, scratch, nstep=N_SUBSTEPS)
+        return time.perf_counter() - start
+
+    scratch = mujoco.MjData(m)
+    state_rates, physics_rates, ratios = [], [], []
+    try:
+        run_env(seed, record=False)  # warm-up
+        for r in range(repeats):
+            env_time, _ = run_env(seed + r, record=False)
+            _, segments = run_env(seed + r, record=True)  # untimed: the same episodes' physics inputs
+            physics_time = run_physics(segments, scratch)
+            # The replay is the env's physics only if it ends where the env did.
+            if not np.array_equal(scratch.qpos, u.data.qpos):
+                raise RuntimeError("physics replay diverged from the environment's trajectory")
+            state_rates.append(steps / env_time)
+            physics_rates.append(steps / physics_time)
+            ratios.append(env_time / physics_time)
+    finally:
+        env.close()
+    return {
+        "state_sps": float(statistics.median(state_rates)),
+        "physics_sps": float(statistics.median(physics_rates)),
+        "state_over_physics": float(statistics.median(ratios)),
+    }
+
+
 def run(
     steps: int = 200,
     repeats: int = 3,
@@ -65,8 +146,10 @@ def run(
     image_size: int = 84,
     n_points: int = 512,
     seed: int = 0,
+    state_steps: int = 1000,
 ) -> dict[str, Any]:
-    """Median steps/s of MujocoPick-v0 (full, replan-only and state observations) and ObstacleReach-v0.
+    """Median steps/s of MujocoPick-v0 (full, replan-only and state observations) and ObstacleReach-v0, and
+    the state-mode step time over its physics time.
 
     Args:
         steps: environment steps per timed run.
@@ -75,6 +158,8 @@ def run(
         image_size: side of ``rgb`` (pixels).
         n_points: points N in ``points``.
         seed: seed of the episodes and the random actions.
+        state_steps: environment steps per timed run of ``state_sps`` / ``physics_sps`` (more than
+            ``steps``: a state step takes well under a millisecond).
     """
     _limit_threads()
     import diffpolicy_envs  # noqa: F401  (registers the environments)
@@ -86,7 +171,9 @@ def run(
         "replan_obs_sps": _steps_per_second(pick, steps, repeats, seed, obs_every=obs_every, **common),
         "state_obs_sps": _steps_per_second(pick, steps, repeats, seed, obs_mode="state"),
         "obstacle_reach_sps": _steps_per_second("diffpolicy_envs:ObstacleReach-v0", steps, repeats, seed),
+        **_state_and_physics(state_steps, repeats, seed),
         "steps": steps,
+        "state_steps": state_steps,
         "repeats": repeats,
         "obs_every": obs_every,
         "image_size": image_size,

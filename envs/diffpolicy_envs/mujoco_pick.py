@@ -78,6 +78,7 @@ steps (``max_episode_steps`` of the registration); the scripted expert needs 45-
 
 from __future__ import annotations
 
+import math
 import os
 from importlib import resources
 from typing import Any
@@ -150,29 +151,43 @@ IK_DAMPING = 0.03
 def tool_rotation(yaw: float, roll: float = 0.0, pitch: float = 0.0) -> np.ndarray:
     """Tool orientation (3, 3): pointing down with the jaw axis at ``yaw`` (rad), then tilted by ``roll`` and
     ``pitch`` (rad) about the tool's own x and y axes. Columns are the tool axes in the base frame: x = approach
-    (down), y = jaw opening direction."""
-    c, s = np.cos(yaw), np.sin(yaw)
-    rot = np.array([[0.0, c, s], [0.0, s, -c], [-1.0, 0.0, 0.0]])
-    if roll or pitch:
-        cr, sr, cp, sp = np.cos(roll), np.sin(roll), np.cos(pitch), np.sin(pitch)
-        rot = rot @ np.array([[1.0, 0.0, 0.0], [0.0, cr, -sr], [0.0, sr, cr]])
-        rot = rot @ np.array([[cp, 0.0, sp], [0.0, 1.0, 0.0], [-sp, 0.0, cp]])
-    return rot
+    (down), y = jaw opening direction.
+
+    The product ``R0(yaw) @ Rx(roll) @ Ry(pitch)`` is written out with ``math`` on Python floats: it runs in
+    every pose-mode step, and on 3 x 3 matrices numpy's per-call overhead would cost more than the arithmetic.
+    """
+    c, s = math.cos(yaw), math.sin(yaw)
+    if not (roll or pitch):
+        return np.array([[0.0, c, s], [0.0, s, -c], [-1.0, 0.0, 0.0]])
+    cr, sr, cp, sp = math.cos(roll), math.sin(roll), math.cos(pitch), math.sin(pitch)
+    # R0 @ Rx(roll): column x stays (0, 0, -1); columns y, z rotate in the plane of (c, s, 0) and (s, -c, 0).
+    y0, y1 = c * cr + s * sr, s * cr - c * sr
+    z0, z1 = -c * sr + s * cr, -s * sr - c * cr
+    # ... @ Ry(pitch): columns x, z rotate into each other, y stays.
+    return np.array(
+        [
+            [-sp * z0, y0, cp * z0],
+            [-sp * z1, y1, cp * z1],
+            [-cp, 0.0, -sp],
+        ]
+    )
 
 
 def rotation_error(mat: np.ndarray, mat_goal: np.ndarray) -> np.ndarray:
-    """Rotation vector (3,) (rad, base frame), small-angle form, that turns ``mat`` toward ``mat_goal``."""
-    return 0.5 * (
-        np.cross(mat[:, 0], mat_goal[:, 0])
-        + np.cross(mat[:, 1], mat_goal[:, 1])
-        + np.cross(mat[:, 2], mat_goal[:, 2])
-    )
+    """Rotation vector (3,) (rad, base frame), small-angle form, that turns ``mat`` toward ``mat_goal``.
+
+    It is half the sum over the columns i of ``cross(mat[:, i], mat_goal[:, i])``, computed as the vee of the
+    skew-symmetric part of ``mat @ mat_goal.T`` (one 3 x 3 product instead of three ``np.cross`` calls).
+    """
+    c = (mat @ mat_goal.T).ravel().tolist()  # c[3j + k] = sum_i mat[j, i] * mat_goal[k, i]
+    return np.array([0.5 * (c[5] - c[7]), 0.5 * (c[6] - c[2]), 0.5 * (c[1] - c[3])])
 
 
 def step_toward(start: np.ndarray, goal: np.ndarray, max_step: float) -> np.ndarray:
     """The point on the segment from ``start`` to ``goal`` (3,) at most ``max_step`` (m) from ``start``."""
-    dist = float(np.linalg.norm(goal - start))
-    return goal if dist <= max_step else start + (goal - start) * (max_step / dist)
+    diff = goal - start
+    dist = math.sqrt(diff @ diff)
+    return goal if dist <= max_step else start + diff * (max_step / dist)
 
 
 def pose_action(
@@ -186,6 +201,22 @@ def pose_action(
 
 ARM_JOINTS = ("j1", "j2", "j3", "j4", "j5", "j6")
 STATE_DIM = {"multimodal": 13, "state": 34}
+
+
+_TOOL_SPAN = TOOL_HIGH - TOOL_LOW
+_ONE_HOT = np.eye(3)
+
+
+def _norm(v: np.ndarray) -> float:
+    """Euclidean norm of a 1-D float64 array, as ``np.linalg.norm`` computes it, without its dispatch."""
+    return math.sqrt(v @ v)
+
+
+def _as_index(adr: np.ndarray) -> slice | np.ndarray:
+    """A slice for consecutive addresses (a view, cheaper than fancy indexing), else the addresses."""
+    if len(adr) and np.array_equal(adr, np.arange(adr[0], adr[0] + len(adr))):
+        return slice(int(adr[0]), int(adr[0]) + len(adr))
+    return adr
 
 
 def _asset_path(name: str) -> str:
@@ -273,9 +304,18 @@ class MujocoPickEnv(gym.Env):
         self.cube_qpos_adr = np.array([m.joint(f"cube_{c}").qposadr[0] for c in COLORS])
         self.cube_dof_adr = np.array([m.joint(f"cube_{c}").dofadr[0] for c in COLORS])
         self.camera = m.camera("front").id
+        # Hot-path indices and scratch buffers: a state-mode step costs little more than its physics only if
+        # the IK and the observation avoid numpy fancy indexing, small-array allocations and per-call setup.
+        self._arm_q = _as_index(self.arm_qpos_adr)
+        self._arm_v = _as_index(self.arm_dof_adr)
+        self._cube_x = _as_index(self.cube_bodies)
         self._ik_data = mujoco.MjData(m)
-        self._jacp = np.zeros((3, m.nv))
-        self._jacr = np.zeros((3, m.nv))
+        self._jac = np.zeros((6, m.nv))  # grip-site Jacobian: rows 0-2 translation, 3-5 rotation
+        self._jacp, self._jacr = self._jac[:3], self._jac[3:]  # C-contiguous views, as mj_jacSite needs
+        self._ik_err = np.zeros(6)  # position (m) and rotation (rad) error of one IK iteration
+        self._ik_gram = np.zeros((6, 6))  # J J^T + lambda^2 I, factorised in place
+        self._ik_y = np.zeros(6)
+        self._ik_damping = IK_DAMPING**2 * np.eye(6)
 
         obs_spaces: dict[str, spaces.Space] = {
             "state": spaces.Box(-np.inf, np.inf, (STATE_DIM[obs_mode],), np.float32),
@@ -294,6 +334,7 @@ class MujocoPickEnv(gym.Env):
         self.target_id = 0
         self.instruction = ""
         self.tray_pos = np.zeros(3)
+        self._place_goal = np.zeros(3)  # distance_improvement's goal while the cube is grasped
         self.q_target = HOME_QPOS.copy()
         self.episode_id = 0
         self.elapsed_steps = 0
@@ -328,6 +369,7 @@ class MujocoPickEnv(gym.Env):
         )
         self.instruction = TEMPLATES[int(rng.integers(len(TEMPLATES)))].format(COLORS[self.target_id])
         self.tray_pos = np.array([rng.uniform(*TRAY_X_RANGE), rng.uniform(*TRAY_Y_RANGE), 0.0])
+        self._place_goal = self.tray_pos + np.array([0.0, 0.0, TRAY_FLOOR_Z + 0.06])
         m.body_pos[self.tray_body] = self.tray_pos
         xy = self._sample_cube_xy(rng)
         for i in range(3):
@@ -365,41 +407,42 @@ class MujocoPickEnv(gym.Env):
         a = np.asarray(action, dtype=np.float64)
         if a.shape != (7,):
             raise ValueError(f"MujocoPick action must have shape (7,), got {a.shape}")
-        if not np.all(np.isfinite(a)):
+        if not np.isfinite(a).all():
             raise ValueError(f"MujocoPick action must be finite, got {a.tolist()}")
-        a = np.clip(a, -1.0, 1.0)
+        a = a.clip(-1.0, 1.0)
         m, d = self.model, self.data
 
-        q = d.qpos[self.arm_qpos_adr]
+        q = d.qpos[self._arm_q].copy()
         if self.action_mode == "pose":
-            pos = TOOL_LOW + 0.5 * (a[:3] + 1.0) * (TOOL_HIGH - TOOL_LOW)
+            pos = TOOL_LOW + 0.5 * (a[:3] + 1.0) * _TOOL_SPAN
             pos = step_toward(self.tool_pos_at(self.q_target), pos, MAX_TOOL_STEP)
-            rot = tool_rotation(HOME_YAW + a[5] * np.pi / 2, a[3] * TILT_RANGE, a[4] * TILT_RANGE)
+            roll, pitch, yaw = a[3:6].tolist()
+            rot = tool_rotation(HOME_YAW + yaw * np.pi / 2, roll * TILT_RANGE, pitch * TILT_RANGE)
             target = self.solve_ik(pos, rot, self.q_target)
         elif self.action_mode == "absolute":
             target = self.joint_low + 0.5 * (a[:6] + 1.0) * (self.joint_high - self.joint_low)
         else:
             target = np.clip(self.q_target + MAX_JOINT_DELTA * a[:6], self.joint_low, self.joint_high)
-        self.q_target = np.clip(target, q - MAX_TARGET_LEAD, q + MAX_TARGET_LEAD)
+        self.q_target = np.minimum(np.maximum(target, q - MAX_TARGET_LEAD), q + MAX_TARGET_LEAD)
         d.ctrl[:6] = self.q_target
         d.ctrl[6:8] = FINGER_OPEN * 0.5 * (1.0 - a[6])
         mujoco.mj_step(m, d, nstep=N_SUBSTEPS)
         self.elapsed_steps += 1
 
-        grasped = self.target_grasped()
-        success = self._target_in_tray()
+        touching = self._contacts_with(int(self.cube_geoms[self.target_id]))
+        left, right = self.finger_geoms
+        grasped = left in touching and right in touching
+        success = self._target_in_tray(touching)
         ee = d.site_xpos[self.grip_site]
         cube = d.xpos[self.cube_bodies[self.target_id]]
         if grasped:
-            goal_prev = goal_now = self.tray_pos + np.array([0.0, 0.0, TRAY_FLOOR_Z + 0.06])
+            goal_prev = goal_now = self._place_goal
         else:
             goal_prev, goal_now = self._prev_cube, cube
         terms = {
             "success": float(success),
-            "distance_improvement": float(
-                np.linalg.norm(self._prev_ee - goal_prev) - np.linalg.norm(ee - goal_now)
-            ),
-            "smoothness": -float(np.linalg.norm(a - self._prev_action)),
+            "distance_improvement": _norm(self._prev_ee - goal_prev) - _norm(ee - goal_now),
+            "smoothness": -_norm(a - self._prev_action),
         }
         reward = float(sum(self.reward_weights[k] * v for k, v in terms.items()))
         self._prev_action = a
@@ -465,31 +508,36 @@ class MujocoPickEnv(gym.Env):
         """Joint targets (6,) rad that put the tool at ``pos`` (3,) m with orientation ``rot`` (3, 3).
 
         ``iterations`` damped least-squares steps (``IK_DAMPING``) on a scratch MjData from ``q_start``, each
-        clipped to the joint ranges; far goals are therefore approached, not reached, in one call.
+        clipped to the joint ranges; far goals are therefore approached, not reached, in one call. One step is
+        ``dq = J^T (J J^T + lambda^2 I)^-1 err`` with J (6, 6) the arm columns of the grip site's Jacobian and
+        err (6,) the position and rotation errors. It runs on every pose-mode step, so it reuses preallocated
+        buffers, updates only the kinematics and the com-based quantities the Jacobian needs
+        (``mj_kinematics`` + ``mj_comPos``, not ``mj_forward``) and solves the SPD 6 x 6 system with MuJoCo's
+        Cholesky routines.
         """
-        m, s = self.model, self._ik_data
-        q = np.asarray(q_start, dtype=np.float64).copy()
-        lam2 = IK_DAMPING**2
+        m, s, site = self.model, self._ik_data, self.grip_site
+        err, gram, y = self._ik_err, self._ik_gram, self._ik_y
+        q = np.array(q_start, dtype=np.float64)
         for _ in range(iterations):
-            s.qpos[self.arm_qpos_adr] = q
+            s.qpos[self._arm_q] = q
             mujoco.mj_kinematics(m, s)
             mujoco.mj_comPos(m, s)
-            mujoco.mj_jacSite(m, s, self._jacp, self._jacr, self.grip_site)
-            err = np.concatenate(
-                [
-                    pos - s.site_xpos[self.grip_site],
-                    rotation_error(s.site_xmat[self.grip_site].reshape(3, 3), rot),
-                ]
-            )  # (6,): position (m) and rotation (rad) errors
-            jac = np.vstack([self._jacp[:, self.arm_dof_adr], self._jacr[:, self.arm_dof_adr]])  # (6, 6)
-            dq = jac.T @ np.linalg.solve(jac @ jac.T + lam2 * np.eye(6), err)
-            q = np.clip(q + dq, self.joint_low, self.joint_high)
+            mujoco.mj_jacSite(m, s, self._jacp, self._jacr, site)
+            np.subtract(pos, s.site_xpos[site], out=err[:3])
+            err[3:] = rotation_error(s.site_xmat[site].reshape(3, 3), rot)
+            jac = self._jac[:, self._arm_v]  # (6, 6)
+            np.matmul(jac, jac.T, out=gram)
+            gram += self._ik_damping
+            mujoco.mju_cholFactor(gram, 0.0)
+            mujoco.mju_cholSolve(y, gram, err)
+            q += jac.T @ y
+            np.minimum(np.maximum(q, self.joint_low, out=q), self.joint_high, out=q)
         return q
 
     def tool_pos_at(self, q: np.ndarray) -> np.ndarray:
         """Tool point position (3,) m for arm joint positions ``q`` (6,), by forward kinematics."""
         s = self._ik_data
-        s.qpos[self.arm_qpos_adr] = q
+        s.qpos[self._arm_q] = q
         mujoco.mj_kinematics(self.model, s)
         return s.site_xpos[self.grip_site].copy()
 
@@ -513,45 +561,44 @@ class MujocoPickEnv(gym.Env):
         return xy
 
     def _contacts_with(self, geom: int) -> set[int]:
-        n = self.data.ncon
+        """Ids of the geoms in contact with ``geom``."""
+        d = self.data
+        n = d.ncon
         if n == 0:
             return set()
-        pairs = self.data.contact.geom[:n]
-        other = np.where(pairs[:, 0] == geom, pairs[:, 1], np.where(pairs[:, 1] == geom, pairs[:, 0], -1))
-        return set(other[other >= 0].tolist())
+        pairs = d.contact.geom[:n].tolist()  # n is small: a Python loop beats numpy's per-call overhead
+        return {g2 if g1 == geom else g1 for g1, g2 in pairs if g1 == geom or g2 == geom}
 
     def target_grasped(self) -> bool:
         """Whether both jaws touch the target cube."""
         touching = self._contacts_with(int(self.cube_geoms[self.target_id]))
         return self.finger_geoms[0] in touching and self.finger_geoms[1] in touching
 
-    def _target_in_tray(self) -> bool:
+    def _target_in_tray(self, touching: set[int]) -> bool:
+        """Whether the target cube rests in the tray, released; ``touching``: the geoms in contact with it."""
         i = self.target_id
         rel = self.data.xpos[self.cube_bodies[i]] - self.tray_pos
         adr = self.cube_dof_adr[i]
-        speed = np.linalg.norm(self.data.qvel[adr : adr + 3])
+        speed = _norm(self.data.qvel[adr : adr + 3])
         inside = abs(rel[0]) < TRAY_INNER_HALF - 0.005 and abs(rel[1]) < TRAY_INNER_HALF - 0.005
         resting = rel[2] < TRAY_FLOOR_Z + CUBE_HALF + 0.015 and speed < 0.05
-        touched = self._contacts_with(int(self.cube_geoms[i]))
-        released = self.finger_geoms[0] not in touched and self.finger_geoms[1] not in touched
+        released = self.finger_geoms[0] not in touching and self.finger_geoms[1] not in touching
         return bool(inside and resting and released)
 
     def _state(self) -> np.ndarray:
+        """The ``state`` observation (13,) or (34,) float32, filled slice by slice into one new array."""
         d = self.data
-        parts = [
-            d.qpos[self.arm_qpos_adr],
-            d.qvel[self.arm_dof_adr],
-            [d.qpos[self.finger_qpos_adr].sum()],
-        ]
+        out = np.empty(STATE_DIM[self.obs_mode], np.float32)
+        out[0:6] = d.qpos[self._arm_q]
+        out[6:12] = d.qvel[self._arm_v]
+        out[12] = d.qpos[self.finger_qpos_adr].sum()
         if self.obs_mode == "state":
-            parts += [
-                np.eye(3)[self.target_id],
-                d.xpos[self.cube_bodies[self.target_id]],
-                d.xpos[self.cube_bodies].ravel(),
-                self.tray_pos,
-                d.site_xpos[self.grip_site],
-            ]
-        return np.concatenate(parts).astype(np.float32)
+            out[13:16] = _ONE_HOT[self.target_id]
+            out[16:19] = d.xpos[self.cube_bodies[self.target_id]]
+            out[19:28] = d.xpos[self._cube_x].ravel()
+            out[28:31] = self.tray_pos
+            out[31:34] = d.site_xpos[self.grip_site]
+        return out
 
     def _get_obs(self) -> dict[str, Any]:
         obs: dict[str, Any] = {"state": self._state()}
