@@ -1,10 +1,12 @@
 """DiffusionPolicy: observation encoders + conditional 1-D U-Net denoiser + DDIM sampler (DPPO-style).
 
-Sampling runs K DDIM steps. The first K - K' are the base part (std = eta-scaled DDIM sigma, no gradient);
-the last K' are Gaussian transitions x_{k-1} ~ N(mu_theta(x_k, k, obs), sigma_k^2) with sigma_k >= min_std,
-and their chain x_{K'} .. x_0 (normalised units) is returned so that :meth:`DiffusionPolicy.log_prob`
-can evaluate each transition exactly under the current parameters. Log-probabilities count only the
-executed part of the chunk, actions [To - 1, To - 1 + Te) of Ta, averaged over its Te x Da elements.
+Sampling runs K DDIM steps. The first K - K' are the base part (std = eta-scaled DDIM sigma, no gradient),
+run by a frozen copy of the pre-trained denoiser once :meth:`DiffusionPolicy.set_sampling` has asked for
+K' < K (DPPO's ``actor`` beside ``actor_ft``); the last K' are Gaussian transitions
+x_{k-1} ~ N(mu_theta(x_k, k, obs), sigma_k^2) with sigma_k >= min_std, and their chain x_{K'} .. x_0
+(normalised units) is returned so that :meth:`DiffusionPolicy.log_prob` can evaluate each transition
+exactly under the current parameters. Log-probabilities count only the executed part of the chunk, actions
+[To - 1, To - 1 + Te) of Ta, averaged over its Te x Da elements.
 
 :meth:`PolicyBase.plan` is the single acting path (training rollouts and evaluation): one chunk per
 decision, the Te executed actions in env units plus the full :class:`SampleOutput`.
@@ -12,6 +14,7 @@ decision, the Te executed actions in env units plus the full :class:`SampleOutpu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -184,6 +187,16 @@ class DiffusionPolicy(PolicyBase):
         self.ft_steps = cfg.ft_steps
         self.logprob_min_std = 0.0
         """Floor on the std of the chain log-probs (0: the exact sampling std); set by PPO, see log_prob."""
+        self.logprob_clamp: list[float] | tuple[float, ...] = ()
+        """[low, high] clamp of every per-element log-prob, in nats, before averaging (DPPO: [-5, 2]); empty
+        disables. Set by PPO like ``logprob_min_std``; applies to sampled and re-evaluated log-probs alike."""
+        self.noise_clip = 0.0
+        """Clamp of every sampled standard-normal draw z to [-noise_clip, noise_clip] before
+        x = mean + std z, in std units (DPPO's ``randn_clip_value``: 3); 0 disables."""
+        self._base: list[ConditionalUnet1D] = []
+        """The frozen pre-trained denoiser of the first K - K' steps (empty until K' < K is asked for). A
+        plain list, so the module does not register it: it is in neither ``parameters()`` (the optimiser,
+        DDP) nor ``state_dict()`` (checkpoints keep their format); :meth:`_apply` moves it with the policy."""
         self.sampler_backend = "compiled" if cfg.compile else "auto"
         """DDIM loop backend: auto (the prepacked fast path on the CPU in fp32 inference, else eager) or
         compiled (torch.compile; falls back with a one-time warning when no compiler works)."""
@@ -192,7 +205,11 @@ class DiffusionPolicy(PolicyBase):
         """Change how chains are sampled (K' fine-tuned steps, eta, the std floor) without touching weights.
 
         These settings do not enter the DDPM training loss, so one BC checkpoint serves fine-tuning runs
-        with any of them; ``cfg`` is updated so that a checkpoint saved afterwards records them.
+        with any of them; ``cfg`` is updated so that a checkpoint saved afterwards records them. With
+        K' < K the current denoiser is also frozen as the base of the first K - K' steps
+        (:meth:`freeze_base`), unless a base is already held: call this on the pre-trained weights, before
+        fine-tuning (a resumed run loads its fine-tuned weights afterwards and keeps the pre-trained base).
+        With K' = K there are no base steps and any base is dropped.
         """
         s = self.schedule
         self.schedule = NoiseSchedule(
@@ -200,6 +217,37 @@ class DiffusionPolicy(PolicyBase):
         ).to(s.alphas_cumprod.device)
         self.ft_steps = ft_steps
         self.cfg = dataclasses.replace(self.cfg, ft_steps=ft_steps, eta=eta, min_std=min_std)
+        if ft_steps == s.ddim_steps:
+            self._base = []
+        elif not self._base:
+            self.freeze_base()
+
+    def freeze_base(self) -> None:
+        """Keep a frozen deep copy of the current denoiser for the K - K' steps before the fine-tuned ones.
+
+        DPPO samples those steps with the pre-trained network (``actor``) and fine-tunes a copy
+        (``actor_ft``) for the last K' only. Without the copy, every optimiser step would also move the
+        early steps, i.e. the distribution of x_{K'} that the stored chains start from, which no PPO ratio
+        accounts for. The copy has requires_grad False, stays in eval mode and is not registered (see
+        ``_base``); it is not saved in checkpoints, so a policy rebuilt from one has no base until this
+        is called again.
+        """
+        base = copy.deepcopy(self.denoiser).eval().requires_grad_(False)
+        for q in base.parameters():
+            q.grad = None
+        self._base = [base]
+
+    @property
+    def base_denoiser(self) -> ConditionalUnet1D | None:
+        """The frozen denoiser of the first K - K' steps, or None (K' = K, or no base frozen yet)."""
+        return self._base[0] if self._base and self.ft_steps < self.schedule.ddim_steps else None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DiffusionPolicy:
+        """``to`` / ``cuda`` / ``float`` / ... also convert the unregistered frozen base."""
+        super()._apply(fn, recurse)
+        for base in getattr(self, "_base", ()):
+            base._apply(fn, recurse)
+        return self
 
     @torch.no_grad()
     def _run_sampler(self, cond, deterministic, return_chain, generator, noise):
@@ -213,6 +261,8 @@ class DiffusionPolicy(PolicyBase):
             generator=generator,
             noise=noise,
             backend=self.sampler_backend,
+            base_denoiser=self.base_denoiser,
+            noise_clip=self.noise_clip,
         )
 
     def sample(
@@ -228,9 +278,10 @@ class DiffusionPolicy(PolicyBase):
         """Sample one chunk per observation.
 
         obs: observation dict (B, To, ...) or ``cond`` (B, cond_dim) precomputed; ``noise`` (B, Ta, Da) is
-        x_K (default N(0, I) from ``generator``); later steps draw from ``generator``. ``deterministic``
-        takes every step's mean (eta = 0 behaviour). Returns actions (B, Ta, Da) in env units and, with
-        ``return_chain``, the fine-tuned chain (B, K'+1, Ta, Da), its means / stds and log-probs (B, K').
+        x_K (default N(0, I) from ``generator``); later steps draw from ``generator`` (each draw clamped
+        to +-``noise_clip`` when that is > 0). ``deterministic`` takes every step's mean (eta = 0
+        behaviour). Returns actions (B, Ta, Da) in env units and, with ``return_chain``, the fine-tuned
+        chain (B, K'+1, Ta, Da), its means / stds and log-probs (B, K') (see :meth:`log_prob`).
         """
         with torch.inference_mode():
             if cond is None:
@@ -239,10 +290,9 @@ class DiffusionPolicy(PolicyBase):
             actions = self.action_normalizer.unnormalize(out.x0)
             log_probs = None
             if return_chain:
-                lp = normal_log_prob(
-                    out.chain[:, 1:], out.means, self._ratio_std(out.stds)
-                )  # (B, K', Ta, Da)
-                log_probs = self.reduce_executed(lp)
+                std = self._ratio_std(out.stds)
+                lp = normal_log_prob(out.chain[:, 1:], out.means, std)  # (B, K', Ta, Da)
+                log_probs = self.reduce_executed(self._clamp_log_prob(lp))
         # Leave inference mode: results may feed autograd later (PPO log-probs of the stored chain).
         clone = lambda t: None if t is None else t.clone()
         return SampleOutput(
@@ -288,16 +338,26 @@ class DiffusionPolicy(PolicyBase):
         Evaluated under the current parameters from ``obs`` (encoded without augmentation, so encoder
         gradients flow) or a given ``cond`` (B, cond_dim); averaged over the executed Te x Da elements; fp32.
         With ``logprob_min_std`` > 0 (DPPO's ``min_logprob_denoising_std``) every Gaussian's std is floored
-        there first, for these log-probs and for the ones :meth:`sample` returns alike.
+        there first, and with a ``logprob_clamp`` [low, high] every per-element log-prob is clamped to it
+        before the average (DPPO clamps to [-5, 2]: a far-out element has no gradient and cannot dominate
+        the ratio), for these log-probs and for the ones :meth:`sample` returns alike.
         """
         if cond is None:
             cond = self.encode(obs, augment=False)
         mean, std = self.transition_mean_std(chain, cond)
-        return self.reduce_executed(normal_log_prob(chain[:, 1:].float(), mean, self._ratio_std(std)))
+        lp = normal_log_prob(chain[:, 1:].float(), mean, self._ratio_std(std))  # (B, K', Ta, Da)
+        return self.reduce_executed(self._clamp_log_prob(lp))
 
     def _ratio_std(self, std: torch.Tensor) -> torch.Tensor:
         """The std the log-probs use: the sampling std, floored at ``logprob_min_std`` when that is > 0."""
         return std.clamp_min(self.logprob_min_std) if self.logprob_min_std > 0 else std
+
+    def _clamp_log_prob(self, log_prob: torch.Tensor) -> torch.Tensor:
+        """Per-element log-probs (..., Ta, Da) clamped to ``logprob_clamp`` when one is set."""
+        if not self.logprob_clamp:
+            return log_prob
+        low, high = self.logprob_clamp
+        return log_prob.clamp(float(low), float(high))
 
     def bc_loss(
         self, obs: Obs, actions: torch.Tensor, *, generator: torch.Generator | None = None

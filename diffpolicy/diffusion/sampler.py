@@ -148,18 +148,28 @@ def ddim_sample(
     noise: torch.Tensor | None = None,
     forward_film: FilmFn | None = None,
     backend: str = "auto",
+    base_denoiser: ConditionalUnet1D | None = None,
+    noise_clip: float = 0.0,
 ) -> ChainOutput:
     """Run the K DDIM steps from x_K = ``noise`` (or N(0, I)) for cond (B, cond_dim).
 
-    Each step k draws x_{k-1} = mean_k + std_k z (z ~ N(0, I) from ``generator``) unless ``deterministic``
+    Each step k draws x_{k-1} = mean_k + std_k z (z ~ N(0, I) from ``generator``, clamped to
+    [-``noise_clip``, ``noise_clip``] when that is > 0, DPPO's ``randn_clip_value``) unless ``deterministic``
     (then x_{k-1} = mean_k) or std_k is 0 (eta = 0 on a base step). The denoiser runs through ``backend``
     (``auto`` | ``eager`` | ``fast`` | ``compiled``, see the module docstring) unless ``forward_film`` is
-    given, which then replaces ``denoiser.forward_film``. Call under no_grad / inference_mode.
+    given, which then replaces ``denoiser.forward_film``. With ``base_denoiser`` (a frozen copy of the
+    pre-trained network, DPPO's ``actor``) the first K - K' steps run through it and only the K' fine-tuned
+    steps through ``denoiser``, so fine-tuning cannot move the latent x_{K'} the fine-tuned chain starts
+    from. Call under no_grad / inference_mode.
     """
     B, Da, K, Kp = cond.shape[0], denoiser.action_dim, schedule.ddim_steps, schedule.ft_steps
     first = schedule.first_ft_step
     obs_film, step_film = denoiser.film_tables(cond, schedule.timesteps)  # (B, R), (K, R)
     fwd = forward_film or sampler_forward(denoiser, cond, horizon, backend, obs_film.shape[1])
+    base = None  # (obs film, step films, forward) of the frozen network for steps [0, K - K')
+    if base_denoiser is not None and first > 0:
+        base_obs, base_step = base_denoiser.film_tables(cond, schedule.timesteps[:first])  # (B, R), (K-K', R)
+        base = base_obs, base_step, sampler_forward(base_denoiser, cond, horizon, backend, base_obs.shape[1])
     x = _initial((B, horizon, Da), cond.device, noise, generator)  # (B, Ta, Da)
     film = torch.empty_like(obs_film)
     x0_buf, mean_buf = torch.empty_like(x), torch.empty_like(x)
@@ -172,13 +182,19 @@ def ddim_sample(
             chain[:, 0].copy_(x)
     for i in range(K):
         coefs = schedule.step_coefs(i)
-        torch.add(obs_film, step_film[i], out=film)
-        eps = fwd(x, film)
+        if base is not None and i < first:
+            torch.add(base[0], base[1][i], out=film)
+            eps = base[2](x, film)
+        else:
+            torch.add(obs_film, step_film[i], out=film)
+            eps = fwd(x, film)
         mean, std = ddim_step_mean_std(x, eps, coefs, schedule.clip_sample, out=(x0_buf, mean_buf))
         if z is None or std == 0.0:
             x.copy_(mean)
         else:
             torch.randn(x.shape, generator=generator, out=z)
+            if noise_clip > 0:
+                z.clamp_(-noise_clip, noise_clip)
             torch.add(mean, z, alpha=std, out=x)
         if return_chain:
             j = i - first
@@ -199,21 +215,25 @@ def ddim_sample_reference(
     deterministic: bool = False,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
+    base_denoiser: ConditionalUnet1D | None = None,
+    noise_clip: float = 0.0,
 ) -> torch.Tensor:
     """The plain eager DDIM loop (no precomputation, out-of-place): -> x0 (B, Ta, Da).
 
     Draws the same random numbers in the same order as :func:`ddim_sample`, so both agree for a fixed
-    ``generator`` / ``noise``.
+    ``generator`` / ``noise``; ``base_denoiser`` and ``noise_clip`` mean what they mean there.
     """
     B, Da = cond.shape[0], denoiser.action_dim
     x = _initial((B, horizon, Da), cond.device, noise, generator)
     for i in range(schedule.ddim_steps):
         t = schedule.timesteps[i].expand(B)
-        eps = denoiser(x, t, cond)
+        net = base_denoiser if base_denoiser is not None and i < schedule.first_ft_step else denoiser
+        eps = net(x, t, cond)
         coefs = schedule.step_coefs(torch.full((B,), i, device=x.device))
         mean, std = ddim_step_mean_std(x, eps, coefs, schedule.clip_sample)
         if deterministic or float(schedule.std[i]) == 0.0:
             x = mean
         else:
-            x = mean + std * torch.randn(x.shape, generator=generator, device=x.device)
+            z = torch.randn(x.shape, generator=generator, device=x.device)
+            x = mean + std * (z.clamp(-noise_clip, noise_clip) if noise_clip > 0 else z)
     return x

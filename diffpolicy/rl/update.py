@@ -9,7 +9,11 @@ ratio per (decision, denoising step), and minimise
 with the non-finite guard, gradient-norm clipping, the gradient-spike monitor and, across processes, one
 bucketed gradient all-reduce. Log-probs, losses and the value head run in fp32; the encoders and the
 denoiser's body under the runtime's autocast. Stops the epochs early when the approximate KL passes
-``algo.target_kl``.
+``algo.target_kl``, and bounds every single step by it too: the ratio is 1 at an iteration's first step, so
+neither the clip nor the epoch's KL can hold that step back (Adam's first step moves every weight by about
+``lr`` whatever the gradient's scale). After each step the minibatch's KL is evaluated again under the new
+weights; past :data:`KL_STEP_FACTOR` x ``target_kl`` the step is undone from the snapshot and the epochs
+stop (``losses/kl_stops``).
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ from diffpolicy.config import AlgoConfig
 from diffpolicy.distributed import DistInfo, average_gradients, mean_metrics
 from diffpolicy.rl.advantages import denoise_discount, normalize
 from diffpolicy.rl.buffer import RolloutBuffer
-from diffpolicy.rl.ppo import policy_loss, regularizer, value_loss
+from diffpolicy.rl.ppo import approx_kl, policy_loss, regularizer, value_loss
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot, nan_guard
 
 OBS_KEYS = ("rgb", "points", "state", "instruction")
+KL_STEP_FACTOR = 1.5
+"""A step whose own minibatch's approximate KL exceeds this x ``target_kl`` is undone (SB3's early-stop
+factor). Above 1 so that ordinary steps ending near the target are kept and left to the epoch-level stop,
+which is what ends a well-behaved update; a single step that overshoots by half again is an outlier."""
 
 
 @dataclass
@@ -93,7 +101,7 @@ def ppo_update(
     policy, critic = learner.policy, learner.critic
     params = learner.params()
     sums: dict[str, float] = defaultdict(float)
-    count, skipped, epochs_run = 0, 0, 0
+    count, skipped, epochs_run, kl_stops = 0, 0, 0, 0
     actor_params = [p for p in policy.parameters() if p.requires_grad]
     agreement = GradAgreement()
     # Frozen encoders give back the condition stored at rollout time (the reference policy's too: its
@@ -157,7 +165,18 @@ def ppo_update(
             learner.scaler.step(learner.actor_optim)
             learner.scaler.step(learner.critic_optim)
             learner.scaler.update()
-            snapshot.capture()
+            if cfg.target_kl > 0:  # bound this step itself (the first one is bounded by nothing else)
+                kl_after = _mean_over_ranks(
+                    _kl_after_step(policy, chain, old_logp, mb, obs, reuse_cond, runtime), info, runtime
+                )
+                if not kl_after <= KL_STEP_FACTOR * cfg.target_kl:  # a non-finite KL is undone too
+                    snapshot.restore(step=step)
+                    kl_stops += 1
+                    if logger is not None:
+                        msg = f"step undone: approx KL {kl_after:.3g} > {KL_STEP_FACTOR} x target_kl"
+                        logger.event("kl_stop", msg, step, approx_kl=kl_after)
+            if not kl_stops:
+                snapshot.capture()
             kl = float(stats["approx_kl"])
             epoch_kl, epoch_n = epoch_kl + kl, epoch_n + 1
             for name, value in (
@@ -176,7 +195,11 @@ def ppo_update(
             ):
                 sums[name] += value
             count += 1
+            if kl_stops:
+                break
         epochs_run += 1
+        if kl_stops:
+            break
         if (
             cfg.target_kl > 0
             and epoch_n
@@ -187,6 +210,7 @@ def ppo_update(
     if agreement.n:
         out["losses/grad_agreement"] = agreement.mean
     out["losses/epochs"] = float(epochs_run)
+    out["losses/kl_stops"] = float(kl_stops)
     out["stability/skipped_updates"] = float(skipped)
     return out
 
@@ -241,6 +265,24 @@ def _critic_step(
     torch.nn.utils.clip_grad_norm_(learner.critic.parameters(), cfg.max_grad_norm)
     learner.critic_optim.step()
     sums["losses/value"] += float(v_loss.detach())
+
+
+@torch.no_grad()
+def _kl_after_step(
+    policy: nn.Module,
+    chain: Tensor,
+    old_logp: Tensor,
+    mb: dict[str, Tensor],
+    obs: dict[str, Any] | None,
+    reuse_cond: bool,
+    runtime: Any,
+) -> float:
+    """Approximate KL(rollout || current) of the minibatch's chains (B, K'+1, Ta, Da) under the weights as
+    they are now (after the step), against the rollout log-probs ``old_logp`` (B, K')."""
+    with runtime.autocast():
+        cond = mb["cond"] if reuse_cond else policy.encode(obs, augment=False)
+        new_logp = policy.log_prob(chain, cond=cond).float()  # (B, K')
+    return float(approx_kl(new_logp, old_logp))
 
 
 def _mean_over_ranks(value: float, info: DistInfo, runtime: Any) -> float:
