@@ -5,6 +5,8 @@
 the device layer (gloo on the CPU, nccl on CUDA, hccl on Ascend), bounds every collective by
 ``dist.timeout_s`` and always destroys the group, also when the job raises. A rank that raises exits
 non-zero; torchrun then stops the other ranks and the job exits non-zero with the failing rank's message.
+Work that only rank 0 does and that may outlast that timeout (collecting demonstrations and training BC
+on first use) goes through :func:`main_rank_first`, whose wait is bounded by rank 0's liveness instead.
 
 The HCCL-specific part is :func:`_hccl_environment` (four environment variables for Atlas 800T nodes);
 it was written from Ascend's documentation and not run here (no Ascend hardware in this project's CI).
@@ -14,9 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
-from collections.abc import Iterator, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +31,7 @@ import torch.distributed as dist
 from diffpolicy.config import DistConfig
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,116 @@ def barrier(info: DistInfo) -> None:
     """Wait for every rank (no-op in a single process)."""
     if info.enabled:
         dist.barrier()
+
+
+class MainRankError(RuntimeError):
+    """Rank 0 failed, or stopped showing signs of life, while the other ranks waited for it."""
+
+
+def main_rank_first(
+    work: Callable[[], T],
+    info: DistInfo,
+    device: torch.device,
+    status_dir: str | Path,
+    *,
+    stall_s: float,
+    what: str = "its first-use work",
+    poll_s: float = 1.0,
+) -> T:
+    """``work()`` on rank 0, then on every other rank once rank 0 has finished it; returns its result.
+
+    For slow work with a cached result that only rank 0 should produce (collect demonstrations, train BC):
+    the other ranks run ``work()`` afterwards and find the cache filled. Their wait is not a collective,
+    because a barrier is bounded by the collective timeout (``dist.timeout_s``) and would kill a healthy job
+    whose rank 0 simply needs longer than that. The wait is bounded by rank 0's liveness instead:
+
+    * rank 0 keeps a status file ``<status_dir>/.main-first-<token>.json`` current (``token`` is drawn by
+      rank 0 and broadcast first, so a file left by an earlier job is never read): a heartbeat counter
+      rewritten every ``poll_s`` by a daemon thread while ``work()`` runs, then ``done``, or ``failed`` with
+      the exception; every write is an atomic ``os.replace``;
+    * the other ranks poll it: ``done`` -> run ``work()``; ``failed`` -> :class:`MainRankError` with rank
+      0's error; no change for ``stall_s`` seconds -> :class:`MainRankError` (rank 0 died without a word,
+      or ``status_dir`` is not on a filesystem that every rank shares). A rank 0 that dies also makes
+      torchrun stop the job.
+
+    The ranks then leave through one barrier (they are at most ``poll_s`` plus the cached ``work()`` apart),
+    after which rank 0 removes its status file. A failed job leaves its status file behind (a few bytes).
+    In a single process this is just ``work()``.
+    """
+    if not info.enabled:
+        return work()
+    token = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64, device=device)
+    if info.is_main:  # the status file exists before the other ranks learn its name
+        heartbeat = _Heartbeat(Path(status_dir) / f".main-first-{token.item():x}.json", poll_s)
+    dist.broadcast(token, src=0)
+    status = Path(status_dir) / f".main-first-{token.item():x}.json"
+    if info.is_main:
+        try:
+            result = work()
+        except BaseException as exc:
+            heartbeat.finish({"state": "failed", "error": f"{type(exc).__name__}: {exc}"})
+            raise
+        heartbeat.finish({"state": "done"})
+    else:
+        _wait_for_main(status, stall_s, what, poll_s)
+        result = work()
+    dist.barrier()
+    if info.is_main:
+        status.unlink(missing_ok=True)
+    return result
+
+
+class _Heartbeat:
+    """Rank 0's side of :func:`main_rank_first`: a status file rewritten every ``poll_s`` until finished."""
+
+    def __init__(self, path: Path, poll_s: float) -> None:
+        self.path, self.beat = path, 0
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._write({"state": "running", "beat": 0})
+        self.thread = threading.Thread(target=self._run, args=(poll_s,), daemon=True, name="main-first")
+        self.thread.start()
+
+    def _run(self, poll_s: float) -> None:
+        while not self.stop.wait(poll_s):
+            self.beat += 1
+            with contextlib.suppress(OSError):  # a missed beat shows up as a stall on the other ranks
+                self._write({"state": "running", "beat": self.beat})
+
+    def _write(self, state: dict[str, object]) -> None:
+        with self.lock:
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self.path)
+
+    def finish(self, state: dict[str, object]) -> None:
+        """Stop beating and write the final ``state`` (``done`` or ``failed``)."""
+        self.stop.set()
+        self.thread.join()
+        self._write(state)
+
+
+def _wait_for_main(status: Path, stall_s: float, what: str, poll_s: float) -> None:
+    """Poll rank 0's status file until it says ``done``; raise if it failed or went quiet for ``stall_s``."""
+    last, changed = None, time.monotonic()
+    while True:
+        try:
+            state = json.loads(status.read_text())
+        except (OSError, ValueError):
+            state = None
+        if state is not None and state.get("state") == "done":
+            return
+        if state is not None and state.get("state") == "failed":
+            raise MainRankError(f"rank 0 failed during {what}: {state.get('error')}")
+        if state != last:
+            last, changed = state, time.monotonic()
+        elif time.monotonic() - changed > stall_s:
+            raise MainRankError(
+                f"no sign of life from rank 0 during {what} for {stall_s:g} s (dist.timeout_s): its status "
+                f"file {status} {'stopped changing' if state else 'is not visible here'}; rank 0 died or "
+                "hangs, or the cache directory is not on a filesystem that every rank shares"
+            )
+        time.sleep(poll_s)
 
 
 def broadcast_flag(flag: bool, info: DistInfo, device: torch.device) -> bool:
