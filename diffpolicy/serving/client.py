@@ -9,6 +9,11 @@
         chunk = client.act({"state": state, "rgb": image, "instruction": "put the red cube in the tray"})
         # chunk: (Ta, Da) float32; execute the first Te rows, then ask again
 
+A server of a base + residual policy (``health()["per_step"]``) answers one control step at a time: send
+every step's observation with the episode's session id and execute the one action (1, Da) it returns::
+
+        action = client.act(obs, session=f"{robot}/{episode}")[0]  # (Da,)
+
 Arrays are cast to the dtype the server's spec asks for (fetched once with ``Health``); strings are sent
 as text. Errors are ``grpc.RpcError``: ``code()`` is INVALID_ARGUMENT for a malformed observation (the
 message names the modality), UNAVAILABLE when the server is down or shutting down.
@@ -51,7 +56,8 @@ class PolicyClient:
         grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
 
     def health(self) -> dict[str, Any]:
-        """Status (``SERVING`` / ``NOT_SERVING``), spec, action shape (Ta, Da), max_batch, requests served."""
+        """Status (``SERVING`` / ``NOT_SERVING``), spec, action shape (Ta, Da), max_batch, requests served
+        and ``per_step`` (True: the server answers one action per control step of a session)."""
         resp = self._stub.Health(pb.HealthRequest(), timeout=self.timeout_s)
         self._spec = spec_from_pb(resp.modalities)
         return {
@@ -60,6 +66,7 @@ class PolicyClient:
             "action_shape": tuple(resp.action_shape),
             "max_batch": resp.max_batch,
             "served": resp.served,
+            "per_step": resp.per_step,
         }
 
     @property
@@ -69,9 +76,15 @@ class PolicyClient:
             self.health()
         return self._spec  # type: ignore[return-value]
 
-    def act(self, obs: Mapping[str, np.ndarray | str], *, timeout_s: float | None = None) -> np.ndarray:
-        """One observation (no batch axis) -> action chunk (Ta, Da) float32 in environment units."""
+    def act(
+        self, obs: Mapping[str, np.ndarray | str], *, session: str = "", timeout_s: float | None = None
+    ) -> np.ndarray:
+        """One observation (no batch axis) -> action chunk (Ta, Da) float32 in environment units.
+
+        ``session``: id of the robot's episode, required by a per-step server (then the chunk is (1, Da):
+        this control step's action); a new id starts a new episode (a fresh base chunk)."""
         request = encode_observation(obs, self.obs_spec)
+        request.session = session
         resp = self._stub.Act(request, timeout=self.timeout_s if timeout_s is None else timeout_s)
         self.last_info = {
             "batch_size": resp.batch_size,

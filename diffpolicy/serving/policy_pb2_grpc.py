@@ -50,7 +50,8 @@ class PolicyServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Act(self, request, context):
-        """Sample an action chunk; INVALID_ARGUMENT for a missing modality, a wrong shape/dtype or a NaN.
+        """Sample an action chunk (or a per-step policy's next action); INVALID_ARGUMENT for a missing modality,
+        a wrong shape/dtype, a NaN, or a missing session of a per-step policy.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,10 +10,17 @@ What a checkpoint must hold (written by ``diffpolicy.checkpoint.save``):
 The policy is rebuilt by :func:`diffpolicy.policy_io.policy_from` and sampled with
 ``DiffusionPolicy.sample(obs, deterministic=..., generator=...)`` whose ``actions`` are (B, Ta, Da) in
 environment units.
+
+A base + residual checkpoint (``state["residual"]``, ``algo=residual``) becomes a :class:`ResidualSampler`
+instead: its head corrects every control step's action using that step's state, so one chunk per request
+cannot carry it; the sampler answers one corrected action per request and keeps each session's base chunk
+(see its docstring).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +103,117 @@ class PolicySampler:
         return out.actions.float().cpu().numpy()  # (B, Ta, Da)
 
 
+@dataclass
+class _Session:
+    chunk: torch.Tensor
+    """(Te, Da) base actions of the session's current decision, env units."""
+    cond: torch.Tensor
+    """(cond_dim,) the base's condition of that decision."""
+    phase: int = 0
+    """Next row of ``chunk`` to execute (Te: used up, replan)."""
+
+
+def _rows(obs_batch: dict[str, Any], idx: list[int]) -> dict[str, Any]:
+    """Rows ``idx`` of a collated batch (tensors indexed, texts picked)."""
+    return {k: [v[i] for i in idx] if isinstance(v, list) else v[idx] for k, v in obs_batch.items()}
+
+
+class ResidualSampler:
+    """A base + residual policy as a per-step server ``Sampler``: one corrected action (1, Da) per request.
+
+    Each session (one robot's episode, the request's ``Observation.session``) keeps its base chunk, cond and
+    phase, as :class:`diffpolicy.residual.StepActor` keeps them per environment: a request whose session is
+    new or has executed its Te actions first replans (the base's deterministic DDIM, x_K from this
+    sampler's seeded generator), then gets clip(base[phase] + alpha * tanh(mean(x)), -1, 1) with x built
+    from its own state: the deterministic action ``StepActor.act(deterministic=True)`` executes. Requests
+    of one session in the same batch are served one after another, in arrival order. At most
+    ``max_sessions`` sessions are kept; the least recently served is forgotten first (it replans on its
+    next request). Only the batching worker's thread calls :meth:`act`.
+    """
+
+    per_step = True
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        obs_shapes: dict[str, Any],
+        *,
+        runtime: Runtime | None = None,
+        seed: int = 0,
+        max_sessions: int = 4096,
+    ) -> None:
+        """
+        Args:
+            policy: a :class:`diffpolicy.residual.ResidualPolicy` in eval mode.
+            obs_shapes: the checkpoint's ``extra["obs_spec"]`` (key -> per-step shape).
+            runtime: device and precision of the base's sampling (default: the policy's device, fp32).
+            seed: seed of the generator of the base's x_K.
+            max_sessions: sessions kept at most (least recently served forgotten first).
+        """
+        if policy.base.n_obs_steps != 1:
+            raise ValueError("a base + residual policy acts on one observation step (To = 1)")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions={max_sessions} must be >= 1")
+        self.policy = policy
+        self.runtime = runtime or Runtime(device=policy.device)
+        self.obs_spec: ObsSpec = obs_spec_from_shapes(obs_shapes, 1)
+        self.action_shape = (1, int(policy.action_dim))
+        self.seed = seed
+        self.generator = torch.Generator(device=self.runtime.device).manual_seed(seed)
+        self.max_sessions = max_sessions
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+
+    def clear_sessions(self) -> None:
+        """Forget every session and restart the generator from the seed (after warm-up, so that what the
+        server answers does not depend on how it was warmed up)."""
+        self.sessions.clear()
+        self.generator.manual_seed(self.seed)
+
+    def act(self, obs_batch: dict[str, np.ndarray | list[str]], sessions: list[str]) -> np.ndarray:
+        """obs_batch: tensors (B, *shape), texts list of B strings; sessions: B ids -> actions (B, 1, Da)."""
+        out = np.empty((len(sessions), *self.action_shape), np.float32)
+        rows = list(range(len(sessions)))
+        while rows:  # rounds of distinct sessions: a session's later request sees its earlier one's step
+            seen: set[str] = set()
+            now, later = [], []
+            for i in rows:
+                (later if sessions[i] in seen else now).append(i)
+                seen.add(sessions[i])
+            out[now, 0] = self._step(_rows(obs_batch, now), [sessions[i] for i in now])
+            rows = later
+        return out
+
+    @torch.no_grad()
+    def _step(self, obs_batch: dict[str, Any], sessions: list[str]) -> np.ndarray:
+        """One control step of distinct sessions: -> (n, Da) float32 env units."""
+        from diffpolicy.rollout import to_policy_obs
+
+        policy, head, dev = self.policy, self.policy.head, self.runtime.device
+        te = policy.n_action_steps
+        fresh = [j for j, s in enumerate(sessions) if s not in self.sessions or self.sessions[s].phase >= te]
+        if fresh:
+            obs = to_policy_obs(_rows(obs_batch, fresh), dev)
+            with self.runtime.autocast():
+                actions, out = policy.base.plan(
+                    obs, deterministic=True, return_chain=False, generator=self.generator
+                )  # (n, Te, Da): as ResidualPolicy.plan, with this sampler's generator
+            for j, chunk, cond in zip(fresh, actions.float(), out.cond.float()):
+                self.sessions[sessions[j]] = _Session(chunk, cond)
+        states = [self.sessions[s] for s in sessions]
+        base = torch.stack([s.chunk[s.phase] for s in states])  # (n, Da)
+        phase = torch.tensor([s.phase for s in states], device=dev)
+        cond = torch.stack([s.cond for s in states]) if head.cond_dim else None
+        state = torch.as_tensor(np.asarray(obs_batch["state"]), device=dev, dtype=torch.float32)
+        u, _ = head.sample(head.inputs(policy.state_input(state), base, phase, cond), deterministic=True)
+        action = head.correct(base, u)
+        for name, sess in zip(sessions, states):
+            sess.phase += 1
+            self.sessions.move_to_end(name)
+        while len(self.sessions) > self.max_sessions:
+            self.sessions.popitem(last=False)
+        return action.cpu().numpy()
+
+
 def sampler_from_checkpoint(
     path: str | Path,
     *,
@@ -103,8 +221,12 @@ def sampler_from_checkpoint(
     text_backend: str = "",
     deterministic: bool = False,
     seed: int = 0,
-) -> PolicySampler:
-    """Load a checkpoint and wrap its policy for the server."""
+    max_sessions: int = 4096,
+) -> PolicySampler | ResidualSampler:
+    """Load a checkpoint and wrap its policy for the server (a base + residual one per control step;
+    ``deterministic`` does not apply to it: its base and head are always deterministic)."""
     device = runtime.device if runtime is not None else torch.device("cpu")
     policy, shapes, _ = load_policy(path, device=device, text_backend=text_backend)
+    if getattr(policy, "acts_per_step", False):
+        return ResidualSampler(policy, shapes, runtime=runtime, seed=seed, max_sessions=max_sessions)
     return PolicySampler(policy, shapes, runtime=runtime, deterministic=deterministic, seed=seed)

@@ -13,6 +13,11 @@ without a trained checkpoint. Lifecycle::
 modality, wrong shape or dtype, NaN/inf, empty text); UNAVAILABLE while shutting down; INTERNAL if the
 policy itself fails (the server keeps serving in every case); DEADLINE_EXCEEDED after ``request_timeout_s``.
 ``Health``: SERVING / NOT_SERVING plus the observation spec, (Ta, Da), max_batch and the requests served.
+
+A per-step sampler (``per_step = True``: a base + residual policy, whose head corrects every control step
+with that step's state, so a chunk per request could not apply it) answers each request with one action
+(1, Da) of the request's ``Observation.session``; a request without a session gets INVALID_ARGUMENT, and
+``Health.per_step`` tells clients which kind they talk to.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from diffpolicy.serving import policy_pb2 as pb
 from diffpolicy.serving import policy_pb2_grpc as pb_grpc
 from diffpolicy.serving.batching import BatchingWorker, Sampler
 from diffpolicy.serving.wire import (
+    MAX_TEXT_CHARS,
     InvalidObservation,
     ObsSpec,
     collate,
@@ -65,11 +71,18 @@ def warm_up(sampler: Sampler, max_batch: int, rounds: int = 2, sizes: str = "all
     t0 = time.perf_counter()
     every = range(1, max_batch + 1) if sizes == "all" else sorted({1, max_batch})
     sizes_run = [1] * rounds + list(every) + [max_batch] * rounds
+    per_step = getattr(sampler, "per_step", False)
     last: dict[int, float] = {}
-    for b in sizes_run:
+    for n, b in enumerate(sizes_run):
         t = time.perf_counter()
-        sampler.act(collate([obs] * b, sampler.obs_spec))
+        batch = collate([obs] * b, sampler.obs_spec)
+        if per_step:  # fresh sessions: every call plans (base) and corrects (head) at batch size b
+            sampler.act(batch, [f"warmup/{n}/{i}" for i in range(b)])
+        else:
+            sampler.act(batch)
         last[b] = 1e3 * (time.perf_counter() - t)
+    if per_step:
+        sampler.clear_sessions()
     return {
         "warmup_ms": 1e3 * (time.perf_counter() - t0),
         "batch1_ms": last[1],
@@ -90,8 +103,16 @@ class _Servicer(pb_grpc.PolicyServicer):
         except InvalidObservation as exc:
             srv.count("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        session = request.session
+        if getattr(srv.sampler, "per_step", False) and not 0 < len(session) <= MAX_TEXT_CHARS:
+            srv.count("invalid")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "this policy acts one control step at a time (base + residual): set Observation.session "
+                f"(1..{MAX_TEXT_CHARS} characters) to an id of the robot's episode",
+            )
         try:
-            future = srv.worker.submit(obs)
+            future = srv.worker.submit(obs, session)
         except RuntimeError:  # closed between the check above and now
             context.abort(grpc.StatusCode.UNAVAILABLE, "the policy server is shutting down")
         remaining = context.time_remaining()
@@ -122,6 +143,7 @@ class _Servicer(pb_grpc.PolicyServicer):
             action_shape=list(srv.sampler.action_shape),
             max_batch=srv.worker.max_batch,
             served=srv.worker.served,
+            per_step=bool(getattr(srv.sampler, "per_step", False)),
         )
 
 
@@ -143,7 +165,8 @@ class PolicyServer:
     ) -> None:
         """
         Args:
-            sampler: the batched policy (``act(obs_batch) -> (B, Ta, Da)``), or a function without
+            sampler: the batched policy (``act(obs_batch) -> (B, Ta, Da)``; a per-step sampler:
+                ``act(obs_batch, sessions) -> (B, 1, Da)``), or a function without
                 arguments that builds it on the serving thread (what ``python -m diffpolicy.serve`` does:
                 on a CPU, model loading and sampling on different threads made batch-1 sampling 2-2.5x
                 slower on 2 cores; see :class:`~diffpolicy.serving.batching.BatchingWorker`).
