@@ -192,6 +192,6 @@ def launch(
     if not any(a.lstrip("+~").startswith("hydra.job.name=") for a in args):
         # Hydra names the job after the module that calls hydra.main (this one): name it after the entry
         # point instead, so runs land in runs/<entry>/<date>/ as documented
-        args.append(f"hydra.job.name={config_name}")
+        args.insert(0, f"hydra.job.name={config_name}")  # first: ``--cfg job`` takes the next argument
     sys.argv = [sys.argv[0], *args]
     _job()

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from diffpolicy.cli import launch
-from diffpolicy.config import CollectConfig, EnvConfig
+from diffpolicy.config import ENV_RUNTIME_FIELDS, CollectConfig, EnvConfig
 from diffpolicy.data.dataset import DemoFormatError, DemoWriter, read_meta
 
 Progress = Callable[..., Iterator[Any]]
@@ -38,8 +38,6 @@ OBS_KEYS = ("rgb", "points", "state", "instruction")
 # imported, and diffpolicy_envs.experts imports mujoco before the env module's own default applies.
 os.environ.setdefault("MUJOCO_GL", "egl")
 
-KEY_IGNORED_FIELDS = ("num_envs", "vectorization")
-"""EnvConfig fields that do not change what a demonstration holds (left out of the cache key)."""
 DEMOS_VERSION = 5
 """Part of the cache key; bumped when an environment's action or observation semantics change
 (4: MujocoPick actions became tool waypoints; 5: its state observation gained the target's position)."""
@@ -170,7 +168,7 @@ def collect_demos(
 
 def demos_key(env_cfg: EnvConfig, n_episodes: int, seed: int) -> str:
     """Short hash naming a cached dataset: the environment's data-relevant fields, episode count and seed."""
-    env = {k: v for k, v in dataclasses.asdict(env_cfg).items() if k not in KEY_IGNORED_FIELDS}
+    env = {k: v for k, v in dataclasses.asdict(env_cfg).items() if k not in ENV_RUNTIME_FIELDS}
     blob = json.dumps(
         {"env": env, "n": n_episodes, "seed": seed, "version": DEMOS_VERSION}, sort_keys=True, default=str
     )

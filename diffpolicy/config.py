@@ -35,6 +35,11 @@ def _unit(name: str, value: float, *, open_low: bool = False) -> None:
         raise ValueError(f"{name}={value!r} is out of range; it must lie in {low}, 1]")
 
 
+ENV_RUNTIME_FIELDS = ("num_envs", "vectorization", "workers")
+"""EnvConfig fields that say how environments run, not what they hold: left out of the demonstration cache
+key, and given their defaults when a checkpoint written before they existed lacks them."""
+
+
 @dataclass
 class EnvConfig:
     """Which environment to train on and how to run it."""
@@ -46,7 +51,10 @@ class EnvConfig:
     num_envs: int = 4
     """Parallel environments per process (B during rollouts)."""
     vectorization: str = "sync"
-    """gymnasium vector mode: sync (one process) | async (one subprocess per env)."""
+    """Vector env: sync (all envs in this process) | async (the envs split over ``workers`` subprocesses,
+    each stepping its share in turn; same results as sync)."""
+    workers: int = 0
+    """vectorization=async: worker processes (at most num_envs); 0 = one per CPU (``os.cpu_count()``)."""
     obs_mode: str = "multimodal"
     """multimodal (rgb, points, instruction, state) | state (state + target identity only)."""
     image_size: int = 84
@@ -72,6 +80,7 @@ class EnvConfig:
         if not self.id:
             raise ValueError("env.id is empty; give a gymnasium id such as Pendulum-v1")
         _positive("env.num_envs", self.num_envs)
+        _positive("env.workers", self.workers, allow_zero=True)
         _positive("env.image_size", self.image_size)
         _positive("env.n_points", self.n_points)
         _positive("env.max_episode_steps", self.max_episode_steps)
@@ -247,6 +256,12 @@ class AlgoConfig:
     """Floor on the std of the Gaussians in the PPO ratio's log-probs (DPPO's min_logprob_denoising_std);
     0 uses the exact sampling std. With a small sampling floor the last steps' log-probs dominate the
     gradient with noise that barely changes the outcome; a floor of 0.1 weighs all steps alike."""
+    logprob_clamp: list[float] = field(default_factory=list)
+    """[low, high] clamp of every per-element (one action entry of one step) log-prob, in nats, before the
+    average over the executed Te x Da entries (DPPO: [-5, 2]); [] disables."""
+    noise_clip: float = 0.0
+    """Clamp of each standard-normal draw z of a stochastic DDIM step to [-noise_clip, noise_clip], in units
+    of that step's std, before x = mean + std z (DPPO's randn_clip_value: 3); 0 disables."""
     clip_eps: float = 0.01
     """PPO clip range at the first fine-tuned denoising step."""
     clip_eps_final: float = 0.01
@@ -303,12 +318,59 @@ class AlgoConfig:
     finetune_encoders: bool = False
     """PPO also updates the observation encoders (re-encodes every minibatch: several times slower on a CPU);
     when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
+    head: str = "chain"
+    """What PPO trains: chain (the last K' denoising steps of the diffusion policy, DPPO) | residual (the
+    diffusion policy frozen, a Gaussian MLP correcting each control step's action; T counts control steps)."""
+    residual_alpha: float = 0.1
+    """head=residual: bound of the correction alpha * tanh(u), env action units ([-1, 1] per dimension)."""
+    residual_hidden: list[int] = field(default_factory=lambda: [256, 256])
+    """head=residual: hidden widths of the residual's mean network and of its critic."""
+    residual_init_std: float = 0.2
+    """head=residual: initial std of u (before the tanh); alpha * std is the initial action noise."""
+    ent_coef: float = 0.0
+    """head=residual: weight of the Gaussian's entropy bonus."""
+    residual_l2: float = 0.0
+    """head=residual: weight of the pull toward the base policy, mean ||tanh(mu)||^2 of the correction."""
+    residual_update: str = "trust_region"
+    """head=residual: trust_region (one step down the policy gradient pooled over the batches gathered since
+    the policy last moved, sized to w * max_drift of executed-action change) | ppo (clipped PPO epochs on
+    each batch at Adam learning rate lr * w)."""
+    signal_shuffles: int = 4
+    """head=residual: reference advantages (sign flips or shuffles) whose RMS drift is the noise level of
+    ``losses/signal_drift``."""
+    signal_reference: str = "signs"
+    """head=residual: signs (flip each advantage's sign at random: every sample keeps its own |A|) |
+    shuffle (permute the advantages over the batch)."""
+    signal_scaled_lr: bool = True
+    """head=residual: scale the actor's learning rate by w = clamp(1 - (signal_margin / signal_drift)^2, 0,
+    1) each update, so updates without evidence do not move the policy (false: always the full lr)."""
+    signal_margin: float = 1.25
+    """head=residual: signal_drift at and below which w = 0 (1 = plain James-Stein shrinkage)."""
+    max_drift: float = 0.01
+    """head=residual: trust region, largest RMS change of the executed correction per update (env action
+    units; 0 disables)."""
 
     def __post_init__(self) -> None:
         _choice("algo.clip", self.clip, ("ppo", "unconditional"))
         _choice("algo.normalize", self.normalize, ("mean", "self"))
         _choice("algo.advantage", self.advantage, ("gae", "grpo"))
         _choice("algo.reg", self.reg, ("none", "kl", "bc"))
+        _choice("algo.head", self.head, ("chain", "residual"))
+        if self.head == "residual" and self.advantage != "gae":
+            raise ValueError(
+                f"algo.head=residual needs algo.advantage=gae (a critic), got {self.advantage!r}"
+            )
+        _positive("algo.residual_alpha", self.residual_alpha)
+        _positive("algo.residual_init_std", self.residual_init_std)
+        if not self.residual_hidden or any(h <= 0 for h in self.residual_hidden):
+            raise ValueError(f"algo.residual_hidden={self.residual_hidden} must be positive widths")
+        _choice("algo.residual_update", self.residual_update, ("trust_region", "ppo"))
+        _choice("algo.signal_reference", self.signal_reference, ("signs", "shuffle"))
+        _positive("algo.signal_shuffles", self.signal_shuffles)
+        _positive("algo.signal_margin", self.signal_margin)
+        _positive("algo.ent_coef", self.ent_coef, allow_zero=True)
+        _positive("algo.residual_l2", self.residual_l2, allow_zero=True)
+        _positive("algo.max_drift", self.max_drift, allow_zero=True)
         for name in ("iterations", "n_steps", "update_epochs", "minibatch_size", "group_size"):
             _positive(f"algo.{name}", getattr(self, name))
         for name in ("bc_epochs", "bc_batch_size", "n_demos", "grad_monitor_window"):
@@ -323,9 +385,15 @@ class AlgoConfig:
             "bc_max_grad_norm",
             "reg_coef",
             "logprob_min_std",
+            "noise_clip",
             "critic_warmup",
         ):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+        clamp = list(self.logprob_clamp)
+        if clamp and not (len(clamp) == 2 and clamp[0] < clamp[1]):
+            raise ValueError(
+                f"algo.logprob_clamp={clamp} is not allowed; give [] (off) or [low, high] with low < high"
+            )
         for name in ("gamma", "gae_lambda", "denoise_gamma", "ema_decay", "rollback_drop"):
             _unit(f"algo.{name}", getattr(self, name))
 
@@ -411,7 +479,7 @@ class TrainConfig:
     """Continue from the latest checkpoint in the run directory."""
     checkpoint_every: int = 5
     """Write a checkpoint every this many PPO iterations."""
-    eval_episodes: int = 100
+    eval_episodes: int = 200
     """Held-out episodes evaluated before and after fine-tuning."""
     eval_seed: int = 100_000
     """First seed of the held-out evaluation episodes (disjoint from demonstration seeds)."""
@@ -428,6 +496,11 @@ class TrainConfig:
         _positive("checkpoint_every", self.checkpoint_every)
         _positive("eval_episodes", self.eval_episodes)
         _positive("video_episodes", self.video_episodes, allow_zero=True)
+        if isinstance(self.algo, AlgoConfig) and isinstance(self.env, EnvConfig):
+            if self.algo.advantage == "grpo" and self.env.num_envs % self.algo.group_size:
+                raise ValueError(
+                    f"env.num_envs={self.env.num_envs} must be a multiple of algo.group_size={self.algo.group_size}"
+                )
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 
 from diffpolicy import checkpoint
 from diffpolicy.checkpoint import Checkpoint, CheckpointError
-from diffpolicy.config import EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.config import ENV_RUNTIME_FIELDS, EncoderConfig, EnvConfig, PolicyConfig
 
 
 def save_policy(
@@ -123,10 +123,13 @@ def policy_obs_spec(policy: Any, env_cfg: EnvConfig | None = None) -> dict[str, 
     return env_spec(env_cfg)[0]
 
 
-def _dataclass_from(cls: type, raw: Any, what: str, path: Path, *, allow_missing: bool = False) -> Any:
+def _dataclass_from(
+    cls: type, raw: Any, what: str, path: Path, *, allow_missing: bool = False, defaultable: tuple = ()
+) -> Any:
     """Plain dict -> ``cls`` with exactly its fields (CheckpointError naming the odd fields otherwise).
 
-    ``allow_missing`` lets fields the checkpoint lacks take their defaults (older checkpoints).
+    ``allow_missing`` lets fields the checkpoint lacks take their defaults (older checkpoints);
+    ``defaultable`` names fields that may be missing anyway (how to run, not what was trained).
     """
     if not isinstance(raw, dict):
         raise CheckpointError(f"checkpoint {path}: config['{what}'] is not a mapping")
@@ -136,7 +139,7 @@ def _dataclass_from(cls: type, raw: Any, what: str, path: Path, *, allow_missing
         raise CheckpointError(
             f"checkpoint {path}: config['{what}'] has unknown fields {unknown} (written by other code?)"
         )
-    missing = sorted(fields - set(raw))
+    missing = sorted(fields - set(raw) - set(defaultable))
     if missing and not allow_missing:
         raise CheckpointError(
             f"checkpoint {path}: config['{what}'] lacks fields {missing} (written by older code?)"
@@ -167,7 +170,8 @@ def configs_from(ckpt: Checkpoint) -> tuple[EnvConfig, PolicyConfig]:
     if "env" not in ckpt.config:
         raise CheckpointError(f"checkpoint {ckpt.path} lacks config['env'] (not a policy checkpoint?)")
     policy_cfg = policy_config_from(ckpt)
-    return _dataclass_from(EnvConfig, ckpt.config["env"], "env", ckpt.path), policy_cfg
+    env_cfg = _dataclass_from(EnvConfig, ckpt.config["env"], "env", ckpt.path, defaultable=ENV_RUNTIME_FIELDS)
+    return env_cfg, policy_cfg
 
 
 def load_policy(
@@ -222,4 +226,28 @@ def policy_from(
     backend = text_backend or str(ckpt.extra.get("text_backend", "minilm"))
     policy = build_policy(policy_cfg, spec, int(ckpt.extra["action_dim"]), text_backend=backend)
     checkpoint.load_state(policy, ckpt.state["policy"], name="policy")
+    if "residual" in ckpt.state:  # base + residual (algo.head=residual): the head rides beside the base
+        policy = residual_from(ckpt, policy)
     return policy.to(device).eval()
+
+
+def residual_from(ckpt: Checkpoint, base: Any) -> Any:
+    """Wrap ``base`` with the checkpoint's residual head into a ``ResidualPolicy`` (weights loaded)."""
+    from diffpolicy.models.residual import ResidualHead
+    from diffpolicy.residual import ResidualPolicy
+
+    desc = ckpt.extra.get("residual")
+    if not isinstance(desc, dict) or not {"alpha", "hidden", "cond_dim"} <= set(desc):
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} has residual weights but no extra['residual'] description"
+        )
+    head = ResidualHead(
+        int(base.obs_spec["state"][-1]),
+        int(base.action_dim),
+        int(base.n_action_steps),
+        cond_dim=int(desc["cond_dim"]),
+        hidden=tuple(int(h) for h in desc["hidden"]),
+        alpha=float(desc["alpha"]),
+    )
+    checkpoint.load_state(head, ckpt.state["residual"], name="residual")
+    return ResidualPolicy(base, head)

@@ -88,30 +88,48 @@ def env_kwargs(cfg: EnvConfig, n_action_steps: int) -> dict[str, Any]:
 
 
 def _make_one(
-    cfg: EnvConfig, n_action_steps: int, render_mode: str | None = None, record: bool = False
+    cfg: EnvConfig,
+    n_action_steps: int,
+    render_mode: str | None = None,
+    record: bool = False,
+    chunked: bool = True,
 ) -> gym.Env:
     from diffpolicy_envs.adapters import make_env
 
     kwargs = env_kwargs(cfg, n_action_steps)
     if render_mode is not None:
         kwargs["render_mode"] = render_mode
-    return ActionChunkWrapper(make_env(cfg.id, **kwargs), n_action_steps, record=record)
+    env = make_env(cfg.id, **kwargs)
+    return ActionChunkWrapper(env, n_action_steps, record=record) if chunked else env
 
 
-def make_envs(cfg: EnvConfig, n_action_steps: int, num_envs: int, seed: int) -> gym.vector.VectorEnv:
-    """``num_envs`` decision-level environments (same-step autoreset), seeded ``seed + i``."""
-    from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
+def make_envs(
+    cfg: EnvConfig, n_action_steps: int, num_envs: int, seed: int, *, chunked: bool = True
+) -> gym.vector.VectorEnv:
+    """``num_envs`` environments (same-step autoreset), seeded ``seed + i``: decision-level (one step executes
+    a (Te, Da) chunk; actions (B, Te, Da)) or, with ``chunked=False``, control-step environments (one step,
+    one (Da,) action per env; actions (B, Da)).
 
-    from diffpolicy_envs.vector import SeededVectorEnv
+    ``cfg.vectorization="sync"`` steps them all in this process; "async" shards them over ``cfg.workers``
+    worker processes (0: one per CPU), each stepping its share in turn (:class:`ShardedVectorEnv`, the same
+    results as sync), so B environments keep W cores busy without B processes contending for them. Workers
+    start from a fork server (forking a process that holds an EGL context hangs the children) that has
+    imported this module and the MuJoCo env once, so a later ``make_envs`` (each evaluation) starts its
+    workers in milliseconds instead of seconds.
+    """
+    from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-    fns = [partial(_make_one, cfg, n_action_steps) for _ in range(num_envs)]
+    from diffpolicy_envs.vector import SeededVectorEnv, ShardedVectorEnv
+
+    fns = [partial(_make_one, cfg, n_action_steps, chunked=chunked) for _ in range(num_envs)]
     if cfg.vectorization == "sync" or num_envs == 1:
         venv = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     else:
-        # Text observations do not survive shared memory, and forking a process that holds an EGL
-        # context hangs the children: copy observations and start workers from a fork server.
-        venv = AsyncVectorEnv(
-            fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=False, context="forkserver"
+        venv = ShardedVectorEnv(
+            fns,
+            workers=cfg.workers or None,  # None: one per CPU
+            context="forkserver",
+            preload=("diffpolicy.rollout", "diffpolicy_envs.mujoco_pick"),  # torch, mujoco: imported once
         )
     return SeededVectorEnv(venv, seed)
 
@@ -200,6 +218,21 @@ class EvalResult:
     env_steps: int
     successes: list[bool] = field(default_factory=list)
 
+    def wilson(self, z: float = 1.96) -> tuple[float, float]:
+        """95 % Wilson score interval (z = 1.96) of the success rate, (low, high)."""
+        return wilson_interval(sum(self.successes), self.episodes, z)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion: ``successes`` of ``n`` -> (low, high)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (float(max(0.0, centre - half)), float(min(1.0, centre + half)))
+
 
 def evaluate(
     policy: Any,
@@ -216,8 +249,25 @@ def evaluate(
     """Success rate over ``n_episodes`` held-out episodes; episode i uses seed ``seed + i``.
 
     Episodes run in waves of ``num_envs``; each wave resets its environments with the wave's seeds and runs
-    until every one of them has finished once (what an environment does after that is ignored).
+    until every one of them has finished once (what an environment does after that is ignored). A policy
+    that acts per control step (``acts_per_step``: base + residual) runs on control-step environments
+    through :func:`diffpolicy.residual.evaluate_steps` with its deterministic correction.
     """
+    if getattr(policy, "acts_per_step", False):
+        from diffpolicy.residual import evaluate_steps
+
+        venv = make_envs(cfg, n_action_steps, num_envs, seed, chunked=False)
+        try:
+            successes, returns, env_steps = evaluate_steps(
+                policy, venv, n_episodes=n_episodes, seed=seed, num_envs=num_envs, device=device,
+                autocast=autocast,
+            )  # fmt: skip
+        finally:
+            venv.close()
+        return EvalResult(
+            success_rate=float(np.mean(successes)), mean_return=float(np.mean(returns)),
+            episodes=len(successes), env_steps=env_steps, successes=successes,
+        )  # fmt: skip
     venv = make_envs(cfg, n_action_steps, num_envs, seed)
     was_training = policy.training
     policy.eval()
@@ -267,20 +317,36 @@ def record_video(
     device: torch.device,
     fps: int = 10,
 ) -> int:
-    """Write an mp4 of ``n_episodes`` episodes (seeds ``seed + i``) to ``path``; returns the frame count."""
+    """Write an mp4 of ``n_episodes`` episodes (seeds ``seed + i``) to ``path``; returns the frame count.
+
+    A policy that acts per control step (base + residual) is driven by a one-environment
+    :class:`diffpolicy.residual.StepActor` with its deterministic correction.
+    """
     import imageio.v2 as imageio
 
+    per_step = getattr(policy, "acts_per_step", False)
     env = _make_one(cfg, n_action_steps, render_mode="rgb_array", record=True)
     was_training = policy.training
     policy.eval()
     try:
+        if per_step:
+            from diffpolicy.residual import StepActor
+
+            actor, inner = StepActor(policy, 1, device), env.env  # step the env under the chunk wrapper
         for i in range(n_episodes):
             obs, _ = env.reset(seed=seed + i)
             done = False
+            if per_step:
+                actor.reset()
             while not done:
                 batched = {k: (np.asarray(v)[None] if k != "instruction" else [v]) for k, v in obs.items()}
-                actions, _ = act(policy, to_policy_obs(batched, device))
-                obs, _, term, trunc, _ = env.step(actions[0])
+                if per_step:
+                    action, _ = actor.act(batched, deterministic=True)
+                    obs, _, term, trunc, _ = inner.step(action[0])
+                    env.frames.append(inner.render())
+                else:
+                    actions, _ = act(policy, to_policy_obs(batched, device))
+                    obs, _, term, trunc, _ = env.step(actions[0])
                 done = term or trunc
         frames = [f for f in env.frames if f is not None]
         if frames:
@@ -334,16 +400,20 @@ def collect_rollout(
     generator: torch.Generator | None = None,
     autocast: Callable[[], Any] | None = None,
     first_episode_only: bool = False,
+    bootstrap: bool = True,
 ) -> tuple[torch.Tensor, RolloutStats]:
     """Run T = ``n_steps`` decisions in every environment from a seeded reset, filling ``buffer``.
 
     Each decision stores the observation, the fine-tuned chain (K'+1, Ta, Da) and its log-probs (K',), the
-    critic's value, the reward (the sum of the executed Te rewards; on a time-limit truncation
-    ``gamma * V(final obs)`` is added, so GAE never bootstraps across episodes), ``dones`` and ``valid``
-    (0 for decisions after an environment's first episode when ``first_episode_only``, used by GRPO).
+    critic's value, the reward (the sum of the executed Te rewards; on a time-limit truncation with
+    ``bootstrap``, ``gamma * V(final obs)`` is added, so GAE never bootstraps across episodes), ``dones``
+    and ``valid`` (0 for decisions after an environment's first episode when ``first_episode_only``, used by
+    GRPO).
 
     Args:
         seeds: one reset seed per environment (equal seeds make a GRPO group).
+        bootstrap: fold the critic's value of a time-limit cut into the reward. False for returns that must
+            not depend on a critic (GRPO: its critic is never trained, so V would be noise in the returns).
 
     Returns:
         ``(last_value, stats)``: last_value (N,) is V of the observation after the last decision.
@@ -362,7 +432,7 @@ def collect_rollout(
         executed = step_info(info, "executed", num_envs, actions.shape[1])
         stats.env_steps += int(executed.sum())
         cut = np.flatnonzero(trunc & ~term)
-        if cut.size:  # fold the bootstrap of a time-limit cut into the reward (DESIGN: the GAE op's contract)
+        if bootstrap and cut.size:  # fold a cut's bootstrap into the reward (the GAE op's contract)
             final = to_policy_obs(_stack_final_obs(info["final_obs"], cut), device)
             with autocast() if autocast is not None else torch.autocast("cpu", enabled=False):
                 v_final = critic(policy.encode(final, augment=False))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,3 +68,20 @@ def compose(device_type: str):
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def init_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An (untrained) tiny policy checkpoint to start PPO from, so the tests need no BC run."""
+    from test_train import TINY_POLICY, TINY_RUN
+
+    from diffpolicy.cli import compose as compose_cfg
+    from diffpolicy.policy_io import build_policy, env_spec, save_policy
+
+    cfg = compose_cfg("train", [*TINY_RUN, *TINY_POLICY])
+    spec, da = env_spec(cfg.env)
+    torch.manual_seed(0)
+    policy = build_policy(cfg.policy, spec, da)
+    root = tmp_path_factory.mktemp("init")
+    save_policy(root, 0, policy, env_cfg=cfg.env, policy_cfg=cfg.policy)
+    return root

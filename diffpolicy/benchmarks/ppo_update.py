@@ -21,6 +21,7 @@ from diffpolicy.distributed import DistInfo
 from diffpolicy.models.critic import Critic
 from diffpolicy.policy_io import build_policy, env_spec
 from diffpolicy.rl.buffer import RolloutBuffer
+from diffpolicy.rl.heads import chain_specs
 from diffpolicy.rl.ppo import clip_schedule
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
 from diffpolicy.rl.update import Learner, ppo_update
@@ -37,8 +38,6 @@ def run(
     **_: Any,
 ) -> dict[str, Any]:
     """Median decisions/s of one PPO epoch over T x N decisions (``num_envs`` x ``n_steps``)."""
-    from diffpolicy.train import buffer_specs
-
     cfg = compose(
         "train",
         [f"policy={policy}", f"env.num_envs={num_envs}", f"algo.n_steps={n_steps}", "device=cpu"],
@@ -58,7 +57,7 @@ def run(
         critic_optim=torch.optim.AdamW(critic.parameters(), lr=algo.critic_lr),
         scaler=rt.grad_scaler(),
     )
-    buffer = RolloutBuffer(n_steps, num_envs, buffer_specs(pol, cfg), rt.device)
+    buffer = RolloutBuffer(n_steps, num_envs, chain_specs(pol, cfg.policy.cond_dim), rt.device)
     venv = make_envs(cfg.env, pol.n_action_steps, num_envs, seed=0)
     try:
         pol.eval()
@@ -95,4 +94,49 @@ def run(
         "ft_steps": pol.ft_steps,
         "precision": "fp32",
         "modalities": sorted(spec),
+        "residual": residual_run(repeats=repeats),
+    }
+
+
+def residual_run(repeats: int = 5, num_envs: int = 16, n_steps: int = 120, **_: Any) -> dict[str, Any]:
+    """Median seconds of one residual update (``algo=residual``: critic epochs, the evidence measurement
+    with its shuffles, the signal-scaled actor epochs, the trust region) over T x N control steps of the
+    default state observation, on synthetic inputs and advantages (the cost does not depend on them)."""
+    from diffpolicy.models.residual import ResidualCritic, ResidualHead
+    from diffpolicy.rl.residual import ResidualLearner, residual_update
+
+    cfg = compose("train", ["algo=residual", "device=cpu", "algo.signal_scaled_lr=false"])
+    torch.manual_seed(0)
+    head = ResidualHead(34, 7, 8, hidden=tuple(cfg.algo.residual_hidden))
+    critic = ResidualCritic(head.input_dim, tuple(cfg.algo.residual_hidden))
+    learner = ResidualLearner(
+        head,
+        critic,
+        torch.optim.Adam(head.parameters(), lr=cfg.algo.lr),
+        torch.optim.Adam(critic.parameters()),
+    )
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n_steps, num_envs, head.input_dim, generator=g)
+    with torch.no_grad():
+        u, logp = head.sample(x.view(-1, head.input_dim), generator=g)
+    data = {
+        "x": x, "u": u.view(n_steps, num_envs, -1), "logprobs": logp.view(n_steps, num_envs),
+        "elapsed": torch.rand(n_steps, num_envs, generator=g),
+    }  # fmt: skip
+    adv, ret = torch.randn(n_steps, num_envs, generator=g), torch.randn(n_steps, num_envs, generator=g)
+    times = []
+    for r in range(repeats + 1):
+        start = time.perf_counter()
+        residual_update(
+            learner, data, adv, ret, cfg.algo, generator=torch.Generator().manual_seed(r), info=DistInfo()
+        )
+        if r:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return {
+        "control_steps_per_update": n_steps * num_envs,
+        "seconds_per_update": seconds,
+        "control_steps_per_s": n_steps * num_envs / seconds,
+        "update_epochs": cfg.algo.update_epochs,
+        "signal_shuffles": cfg.algo.signal_shuffles,
     }
