@@ -192,6 +192,9 @@ def launch(
     if not any(a.lstrip("+~").startswith("hydra.job.name=") for a in args):
         # Hydra names the job after the module that calls hydra.main (this one): name it after the entry
         # point instead, so runs land in runs/<entry>/<date>/ as documented
-        args.insert(0, f"hydra.job.name={config_name}")  # first: ``--cfg job`` takes the next argument
+        # beside the other overrides: argparse takes Hydra's overrides as one run of positional arguments
+        # (``algo=x --cfg job hydra.job.name=...`` would split them)
+        first = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args))
+        args.insert(first, f"hydra.job.name={config_name}")
     sys.argv = [sys.argv[0], *args]
     _job()

@@ -278,6 +278,7 @@ def restore_stable(stable_root: Path, head: Any, rt: Runtime, logger: Logger, st
     """Roll the trained weights back to the last stable checkpoint (every rank loads the same weights)."""
     ckpt = checkpoint.load(stable_root, map_location=rt.device)
     head.load_weights(ckpt.state)
+    head.on_rollback()
     logger.event("rollback", f"policy restored from stable checkpoint {ckpt.path.name}", step)
 
 

@@ -177,6 +177,30 @@ def test_trust_region_step_moves_exactly_w_times_max_drift_along_the_evidence() 
         assert float(head(x)[:, 0].mean()) > 0
 
 
+def test_rollback_trust_halves_the_step() -> None:
+    full, _ = _update(_head(), 3.0, 0, residual_update="trust_region", max_drift=0.004)
+    head = _head()
+    critic = ResidualCritic(head.input_dim, (16,))
+    learner = ResidualLearner(
+        head, critic, torch.optim.Adam(head.parameters()), torch.optim.Adam(critic.parameters()), trust=0.5
+    )
+    x, u, adv, _ = _batch(head, 0, 3.0, n=1024)
+    data = {"x": x.view(64, 16, -1), "u": u.view(64, 16, -1), "logprobs": torch.zeros(64, 16)}
+    data["elapsed"] = torch.zeros(64, 16)
+    cfg = AlgoConfig(update_epochs=2, minibatch_size=256, max_drift=0.004)
+    half = residual_update(
+        learner,
+        data,
+        adv.view(64, 16),
+        adv.view(64, 16),
+        cfg,
+        generator=torch.Generator().manual_seed(0),
+        info=INFO,
+    )
+    assert half["losses/trust"] == 0.5
+    assert half["losses/action_drift"] == pytest.approx(0.5 * full["losses/action_drift"], rel=0.1)
+
+
 def test_trust_region_pools_batches_while_the_policy_stands_still() -> None:
     head = _head()
     critic = ResidualCritic(head.input_dim, (16,))

@@ -178,6 +178,9 @@ class ChainHead:
     def load_weights(self, state: dict[str, Any]) -> None:
         checkpoint.load_state(self.policy, state["policy"], name="policy")
 
+    def on_rollback(self) -> None:
+        """Nothing beyond the restored weights."""
+
     def close(self) -> None:
         self.venv.close()
 
@@ -262,6 +265,7 @@ class ResidualPPOHead:
             "actor_optim": self.learner.actor_optim.state_dict(),
             "critic_optim": self.learner.critic_optim.state_dict(),
             "evidence": self.learner.evidence.state(),
+            "trust": self.learner.trust,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -270,6 +274,7 @@ class ResidualPPOHead:
         self.learner.actor_optim.load_state_dict(state["actor_optim"])
         self.learner.critic_optim.load_state_dict(state["critic_optim"])
         self.learner.evidence.load(state["evidence"])
+        self.learner.trust = float(state["trust"])
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.head, self.critic]
@@ -284,6 +289,13 @@ class ResidualPPOHead:
 
     def load_weights(self, state: dict[str, Any]) -> None:
         checkpoint.load_state(self.head, state["residual"], name="residual")
+
+    def on_rollback(self) -> None:
+        """A rollback means steps the evidence earned made the policy worse (consistent is not correct: a
+        biased critic or a misleading shaping term point the same way every batch): halve the trust region
+        for the rest of the run and start a new evidence pool, so repeated harm shrinks toward no motion."""
+        self.learner.trust *= 0.5
+        self.learner.evidence.reset()
 
     def close(self) -> None:
         self.venv.close()

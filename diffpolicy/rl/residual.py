@@ -24,7 +24,9 @@ moved (those batches come from the same policy, so the noise falls as 1/sqrt(bat
 takes one step down the pooled gradient whose first-order drift of the executed correction is
 ``w * max_drift``, then starts a new pool. ``residual_update=ppo`` runs clipped PPO epochs on each batch at
 Adam learning rate ``lr * w``. Either way a trust region then caps the update's actual drift (RMS over the
-batch) at ``max_drift``, pulling the parameters back along the update when it went further.
+batch) at ``max_drift``, pulling the parameters back along the update when it went further. Consistent
+evidence is not necessarily correct (a biased critic points the same way every batch): when the training
+loop's rollback guard restores the last stable weights it also halves the trust region (``trust``).
 """
 
 from __future__ import annotations
@@ -274,6 +276,8 @@ class ResidualLearner:
     actor_optim: torch.optim.Optimizer
     critic_optim: torch.optim.Optimizer
     evidence: Evidence = field(default_factory=Evidence)
+    trust: float = 1.0
+    """Multiplier of ``max_drift`` (halved by each rollback of the training loop)."""
 
 
 def residual_update(
@@ -299,6 +303,7 @@ def residual_update(
         ``losses/step_scale`` (w) and ``losses/action_drift`` (RMS change of the executed correction).
     """
     head = learner.head
+    max_drift = cfg.max_drift * learner.trust
     flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.items()}  # (T*N, ...)
     x, u, elapsed = flat["x"], flat["u"], flat["elapsed"]
     adv_all, ret = advantages.reshape(-1), returns.reshape(-1)
@@ -327,8 +332,8 @@ def residual_update(
     if w > 0 and cfg.residual_update == "trust_region":
         # one step down the pooled surrogate gradient, sized so that its first-order drift is w * max_drift
         per_unit = float(correction_drift(head, x, grad))
-        if per_unit > 0 and cfg.max_drift > 0:
-            eta = w * cfg.max_drift / per_unit
+        if per_unit > 0 and max_drift > 0:
+            eta = w * max_drift / per_unit
             with torch.no_grad():
                 for p, g in zip(head.mean_net.parameters(), grad):
                     p.sub_(eta * g)
@@ -341,13 +346,14 @@ def residual_update(
         drift = _mean(
             float((head.alpha * torch.tanh(head(x)) - corr0).square().mean().sqrt()), info, x.device
         )
-        if cfg.max_drift > 0 and drift > cfg.max_drift:
-            scale = cfg.max_drift / drift
+        if max_drift > 0 and drift > max_drift:
+            scale = max_drift / drift
             for p, p0 in zip(head.parameters(), before):
                 p.copy_(p0 + scale * (p - p0))
             out["losses/trust_region_scale"] = scale
             drift = float((head.alpha * torch.tanh(head(x)) - corr0).square().mean().sqrt())
         out["losses/action_drift"] = drift
+        out["losses/trust"] = learner.trust
         out["train/residual_mean_abs"] = float((head.alpha * torch.tanh(head(x))).abs().mean())
         out["train/residual_std"] = float(head.std.mean())
     out.update(sums)
