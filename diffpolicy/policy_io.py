@@ -226,6 +226,11 @@ def policy_from(
     backend = text_backend or str(ckpt.extra.get("text_backend", "minilm"))
     policy = build_policy(policy_cfg, spec, int(ckpt.extra["action_dim"]), text_backend=backend)
     checkpoint.load_state(policy, ckpt.state["policy"], name="policy")
+    if "base_denoiser" in ckpt.state and hasattr(policy, "freeze_base"):  # K' < K: the frozen early steps
+        policy.freeze_base()
+        if policy.base_denoiser is None:
+            raise CheckpointError(f"checkpoint {ckpt.path} holds a base denoiser but its policy has K' = K")
+        checkpoint.load_state(policy.base_denoiser, ckpt.state["base_denoiser"], name="base_denoiser")
     if "residual" in ckpt.state:  # base + residual (algo.head=residual): the head rides beside the base
         policy = residual_from(ckpt, policy)
     return policy.to(device).eval()

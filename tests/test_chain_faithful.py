@@ -281,3 +281,23 @@ def test_dppo_tiny_run(tmp_path: Path) -> None:
     policy_rows = [r for r in rows if r.get("losses/policy") is not None]
     assert len(policy_rows) == 1  # 2 critic warm-up iterations, then 1 PPO iteration
     assert all(np.isfinite(r["losses/policy"]) and "losses/kl_stops" in r for r in policy_rows)
+
+
+def test_a_chain_checkpoint_keeps_its_frozen_base(tmp_path, init_ckpt) -> None:
+    """algo=dppo (K' = 2 < K = 4 here): the saved policy samples its early steps with the pre-trained base."""
+    from test_train import TINY_POLICY, TINY_RUN
+
+    from diffpolicy import checkpoint
+    from diffpolicy.policy_io import load_policy
+    from diffpolicy.train import main as train_main
+
+    args = [*TINY_RUN, *TINY_POLICY, f"policy.init={init_ckpt}", "algo.iterations=2", "algo.lr=1e-2"]
+    summary = train_main(compose("train", [*args, "algo.target_kl=0"]), tmp_path)
+    assert summary["env_steps"] > 0
+    ckpt = checkpoint.load(tmp_path / "checkpoints")
+    assert "base_denoiser" in ckpt.state
+    policy, _, _ = load_policy(tmp_path / "checkpoints")
+    init, _, _ = load_policy(init_ckpt)
+    base = policy.base_denoiser.state_dict()
+    assert all(torch.equal(base[k], v) for k, v in init.denoiser.state_dict().items())  # the BC weights
+    assert any(not torch.equal(policy.denoiser.state_dict()[k], v) for k, v in base.items())  # fine-tuned

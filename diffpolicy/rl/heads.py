@@ -173,7 +173,10 @@ class ChainHead:
         return self.policy
 
     def artifact(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return {}, {}
+        """With K' < K the frozen pre-trained denoiser of the first K - K' steps rides with the policy, so
+        ``evaluate``/``export``/``serve`` sample those steps as training did."""
+        base = getattr(self.policy, "base_denoiser", None)
+        return ({"base_denoiser": base.state_dict()} if base is not None else {}), {}
 
     def load_weights(self, state: dict[str, Any]) -> None:
         checkpoint.load_state(self.policy, state["policy"], name="policy")
