@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # The CPU build of torch; on a CUDA machine: make setup TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH_SPEC ?= torch==2.13.0
-APT_PACKAGES := libusb-1.0-0 libegl1 libgl1 libegl-mesa0 libgles2
+APT_PACKAGES := libegl1 libgl1 libegl-mesa0 libgles2
 STAMP := .setup.stamp
 export MUJOCO_GL ?= egl
 export HF_HUB_OFFLINE := 1

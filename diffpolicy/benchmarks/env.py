@@ -37,7 +37,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 
 def _limit_threads() -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"  # open3d reads it at import, if not imported yet
+    os.environ["OMP_NUM_THREADS"] = "1"  # one core, as the figures say
     try:
         import torch
 
@@ -56,7 +56,7 @@ def _steps_per_second(env_id: str, steps: int, repeats: int, seed: int, **env_kw
     rates = []
     try:
         env.reset(seed=seed)
-        env.step(rng.uniform(-1.0, 1.0, shape))  # warm-up: lazy renderer / open3d initialisation
+        env.step(rng.uniform(-1.0, 1.0, shape))  # warm-up: lazy renderer initialisation
         for r in range(repeats):
             env.reset(seed=seed + r)
             start = time.perf_counter()

@@ -43,9 +43,9 @@ Observation, a ``Dict`` space. With ``obs_mode="multimodal"`` (default):
 | ``instruction`` | - | str | e.g. "put the red cube in the tray" (``Text`` space, lowercase letters and spaces) |
 | ``state`` | (13,) | float32 | joint positions (6, rad), joint velocities (6, rad/s), gripper opening (1, m) |
 
-``points`` is computed from the depth image of the same camera and its pinhole intrinsics with open3d
-(``PointCloud.create_from_depth_image``), cropped to the workspace box ``POINT_BOX_LOW`` .. ``POINT_BOX_HIGH``
-(which removes the table plane and background), then down-sampled to exactly N points by random choice
+``points`` is computed from the depth image of the same camera and its pinhole intrinsics
+(:func:`depth_to_points`: every pixel closer than ``DEPTH_TRUNC`` back-projected, in numpy), cropped to the
+workspace box ``POINT_BOX_LOW`` .. ``POINT_BOX_HIGH`` (which removes the table plane and background), then down-sampled to exactly N points by random choice
 without replacement (the env's seeded generator), or padded by repeating points when fewer than N remain
 (an empty crop gives N copies of the box centre).
 
@@ -131,6 +131,8 @@ POINT_BOX_LOW = np.array([0.0, -0.45, 0.005])
 """Lower corner (m, base frame) of the workspace box the point cloud is cropped to."""
 POINT_BOX_HIGH = np.array([0.85, 0.45, 0.6])
 """Upper corner (m, base frame) of the workspace box the point cloud is cropped to."""
+DEPTH_TRUNC = 3.0
+"""Depth (m) beyond which pixels give no point (the background)."""
 DEFAULT_REWARD_WEIGHTS = {"success": 5.0, "distance_improvement": 0.8, "smoothness": 0.2}
 OBS_MODES = ("multimodal", "state")
 ACTION_MODES = ("pose", "absolute", "delta")
@@ -217,6 +219,27 @@ def _as_index(adr: np.ndarray) -> slice | np.ndarray:
     if len(adr) and np.array_equal(adr, np.arange(adr[0], adr[0] + len(adr))):
         return slice(int(adr[0]), int(adr[0]) + len(adr))
     return adr
+
+
+def depth_to_points(
+    depth: np.ndarray, ray_x: np.ndarray, ray_y: np.ndarray, base_from_cam: np.ndarray, trunc: float
+) -> np.ndarray:
+    """Back-project a pinhole depth image into points of the base frame.
+
+    Args:
+        depth: (H, W) float32 distance along the optical axis (m); pixels <= 0 or > ``trunc`` give no point.
+        ray_x, ray_y: (H, W) (u - cx) / fx and (v - cy) / fy of every pixel (u column, v row).
+        base_from_cam: (4, 4) pose of the camera (x right, y down, z forward) in the base frame.
+        trunc: largest kept depth (m).
+
+    Returns:
+        (M, 3) float64 points, row-major over the kept pixels (the order open3d's
+        ``PointCloud.create_from_depth_image`` gives, which this replaces).
+    """
+    keep = (depth > 0) & (depth <= trunc)
+    z = depth[keep].astype(np.float64)  # (M,)
+    cam = np.stack([ray_x[keep] * z, ray_y[keep] * z, z], axis=1)  # (M, 3) camera frame
+    return cam @ base_from_cam[:3, :3].T + base_from_cam[:3, 3]
 
 
 def _asset_path(name: str) -> str:
@@ -350,7 +373,6 @@ class MujocoPickEnv(gym.Env):
         self._rgb = np.zeros((self.image_size, self.image_size, 3), np.uint8)
         self._depth = np.zeros((self.image_size, self.image_size), np.float32)
         self._points = np.zeros((self.n_points, 3), np.float32)
-        self._o3d = None
         self._intrinsic = None
         self._extrinsic = np.eye(4)
 
@@ -609,16 +631,15 @@ class MujocoPickEnv(gym.Env):
         return obs
 
     def _update_camera_pose(self) -> None:
-        """Open3d extrinsic (base frame -> camera with x right, y down, z forward) and intrinsics."""
-        if self._o3d is None:
-            import open3d as o3d  # heavy import, only needed for point clouds
-
-            self._o3d = o3d
+        """The camera's pose in the base frame (``_base_from_cam``, x right, y down, z forward) and, once,
+        the renderer and the per-pixel ray slopes of its pinhole intrinsics (``_ray_x``, ``_ray_y``)."""
+        if self._renderer is None:
             size = self.image_size
             fovy = np.deg2rad(self.model.cam_fovy[self.camera])
             f = 0.5 * size / np.tan(0.5 * fovy)
             c = 0.5 * (size - 1)
-            self._intrinsic = o3d.camera.PinholeCameraIntrinsic(size, size, f, f, c, c)
+            v, u = np.mgrid[0:size, 0:size].astype(np.float64)  # (H, W) row and column of every pixel
+            self._ray_x, self._ray_y = (u - c) / f, (v - c) / f
             self._renderer = mujoco.Renderer(self.model, size, size)
         d = self.data
         world_from_cam = np.eye(4)
@@ -627,7 +648,7 @@ class MujocoPickEnv(gym.Env):
         world_from_base = np.eye(4)
         world_from_base[:3, :3] = d.xmat[self.base_body].reshape(3, 3)
         world_from_base[:3, 3] = d.xpos[self.base_body]
-        self._extrinsic = np.linalg.inv(np.linalg.inv(world_from_base) @ world_from_cam)
+        self._base_from_cam = np.linalg.inv(world_from_base) @ world_from_cam
 
     def _render_obs(self) -> None:
         """Render ``rgb`` and depth with the one renderer, then build ``points`` (all into cached arrays)."""
@@ -637,15 +658,7 @@ class MujocoPickEnv(gym.Env):
         r.enable_depth_rendering()
         r.render(out=self._depth)
         r.disable_depth_rendering()
-        o3d = self._o3d
-        pcd = o3d.geometry.PointCloud.create_from_depth_image(
-            o3d.geometry.Image(self._depth),
-            self._intrinsic,
-            self._extrinsic,
-            depth_scale=1.0,
-            depth_trunc=3.0,
-        )
-        pts = np.asarray(pcd.points)  # (M, 3) float64, base frame
+        pts = depth_to_points(self._depth, self._ray_x, self._ray_y, self._base_from_cam, DEPTH_TRUNC)
         keep = np.all((pts >= POINT_BOX_LOW) & (pts <= POINT_BOX_HIGH), axis=1)
         pts = pts[keep]
         n, count = self.n_points, len(pts)

@@ -130,7 +130,7 @@ class ShardedVectorEnv(gym.vector.VectorEnv):
     seeds and actions the two therefore return identical results.
 
     Workers start with the ``context`` start method, "forkserver" by default: forking a process that already
-    holds an EGL context (or open3d's thread pools) can hang the children. Each returned observation is a
+    holds an EGL context can hang the children. Each returned observation is a
     fresh batch (no buffer shared between steps).
 
     Args:
@@ -346,7 +346,7 @@ def make_vec_env(
     "async" (gymnasium's ``AsyncVectorEnv``, one subprocess per env) or "sharded" (:class:`ShardedVectorEnv`,
     ``workers`` processes, the number of CPUs by default). ``context`` is the multiprocessing start method
     of the subprocesses; the default "forkserver" starts them from a clean process, because forking a
-    process that already holds an EGL context or open3d's thread pools can deadlock the children.
+    process that already holds an EGL context can deadlock the children.
     """
     if num_envs < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
