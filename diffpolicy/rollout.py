@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -322,8 +323,6 @@ def record_video(
     A policy that acts per control step (base + residual) is driven by a one-environment
     :class:`diffpolicy.residual.StepActor` with its deterministic correction.
     """
-    import imageio.v2 as imageio
-
     per_step = getattr(policy, "acts_per_step", False)
     env = _make_one(cfg, n_action_steps, render_mode="rgb_array", record=True)
     was_training = policy.training
@@ -350,11 +349,33 @@ def record_video(
                 done = term or trunc
         frames = [f for f in env.frames if f is not None]
         if frames:
-            imageio.mimsave(path, frames, fps=fps, macro_block_size=1)
+            write_video(path, frames, fps)
         return len(frames)
     finally:
         env.close()
         policy.train(was_training)
+
+
+def write_video(path: str, frames: list[np.ndarray], fps: int) -> str:
+    """Write ``frames`` (H, W, 3) uint8 as an mp4 at ``path`` with imageio's ffmpeg plugin (the ``video``
+    extra); without it, as numbered PNG frames in the directory ``path`` minus ``.mp4``, with a one-line
+    notice. Returns what was written."""
+    import imageio.v2 as imageio
+
+    try:
+        imageio.mimsave(path, frames, fps=fps, macro_block_size=1)
+        return path
+    except (ImportError, ValueError, RuntimeError) as exc:  # no ffmpeg backend
+        folder = Path(path).with_suffix("")
+        folder.mkdir(parents=True, exist_ok=True)
+        for i, frame in enumerate(frames):
+            imageio.imwrite(folder / f"{i:05d}.png", frame)
+        print(
+            f"no mp4 writer ({type(exc).__name__}); wrote {len(frames)} PNG frames to {folder} "
+            '(pip install -e ".[video]" for mp4)',
+            flush=True,
+        )
+        return str(folder)
 
 
 # ------------------------------------------------------------------------------------------- PPO rollouts

@@ -78,3 +78,19 @@ def test_evaluate_counts_successes_that_end_episodes_under_autoreset() -> None:
     assert result.env_steps == expected_steps
     assert result.mean_return == pytest.approx(expected_steps / 7)
     assert policy.calls > 0
+
+
+def test_video_falls_back_to_png_frames_without_ffmpeg(tmp_path, monkeypatch, capsys) -> None:
+    import imageio.v2 as imageio
+
+    from diffpolicy.rollout import write_video
+
+    def no_ffmpeg(*args, **kwargs):
+        raise ValueError("Could not find a backend to open the file with mode 'I'")
+
+    monkeypatch.setattr(imageio, "mimsave", no_ffmpeg)
+    frames = [np.full((8, 8, 3), i, dtype=np.uint8) for i in range(3)]
+    out = write_video(str(tmp_path / "ppo.mp4"), frames, fps=10)
+    assert out == str(tmp_path / "ppo") and len(list((tmp_path / "ppo").glob("*.png"))) == 3
+    assert np.array_equal(imageio.imread(tmp_path / "ppo" / "00002.png"), frames[2])
+    assert capsys.readouterr().out.count("\n") == 1  # a one-line notice
