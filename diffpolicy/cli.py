@@ -143,6 +143,15 @@ def summary_line(summary: dict[str, Any]) -> str:
     return json.dumps(_json_safe(summary), sort_keys=False)
 
 
+def _first_override(args: list[str]) -> int:
+    """Index of the first Hydra override in ``args`` (``key=value``, ``+key=v``, ``~key``), else len(args).
+    Option values (``--cfg job``, ``--info defaults``) hold neither ``=`` nor a leading ``~``."""
+    for i, a in enumerate(args):
+        if not a.startswith("-") and (a.startswith("~") or "=" in a):
+            return i
+    return len(args)
+
+
 def launch(
     config_name: str, main: Callable[[Any, Path], dict[str, Any]], argv: list[str] | None = None
 ) -> None:
@@ -194,7 +203,6 @@ def launch(
         # point instead, so runs land in runs/<entry>/<date>/ as documented
         # beside the other overrides: argparse takes Hydra's overrides as one run of positional arguments
         # (``algo=x --cfg job hydra.job.name=...`` would split them)
-        first = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args))
-        args.insert(first, f"hydra.job.name={config_name}")
+        args.insert(_first_override(args), f"hydra.job.name={config_name}")
     sys.argv = [sys.argv[0], *args]
     _job()

@@ -23,10 +23,17 @@ def test_cfg_job_prints_config_from_any_directory(tmp_path) -> None:
     assert "mujoco_pick" in out.stdout and "down_dims" in out.stdout
 
 
-def test_cfg_job_after_overrides_shows_them(tmp_path) -> None:
-    out = _run("diffpolicy.train", "algo=dppo", "--cfg", "job", cwd=tmp_path)
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["algo=dppo", "--cfg", "job"], "noise_clip: 3.0"),
+        (["~env.expert.max_speed", "--cfg", "job"], "expert: {}"),
+    ],
+)
+def test_cfg_job_around_overrides_shows_them(args: list[str], needle: str, tmp_path) -> None:
+    out = _run("diffpolicy.train", *args, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "name: dppo" in out.stdout and "noise_clip: 3.0" in out.stdout
+    assert needle in out.stdout
 
 
 def test_run_directory_is_named_after_the_entry_point(tmp_path) -> None:
