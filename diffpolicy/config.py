@@ -11,6 +11,7 @@ Te executed actions per decision, K denoising steps, K' fine-tuned steps, T deci
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,11 @@ def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     if allow_zero and value < 0 or not allow_zero and value <= 0:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}={value!r} is out of range; it must be {bound}")
+
+
+def default_cache_dir() -> str:
+    """Where demonstrations and BC checkpoints are cached: ``$DIFFPOLICY_CACHE``, else ``runs/cache``."""
+    return os.environ.get("DIFFPOLICY_CACHE") or "runs/cache"
 
 
 def _unit(name: str, value: float, *, open_low: bool = False) -> None:
@@ -486,12 +492,14 @@ class TrainConfig:
     eval_deterministic: bool = False
     """Evaluate every step's mean only, rather than the stochastic chain that PPO fine-tunes (the default,
     so that BC and PPO are judged as the policy that is trained)."""
-    cache_dir: str = "${oc.env:DIFFPOLICY_CACHE,runs/cache}"
-    """Where demonstrations and the pre-trained checkpoint are cached between runs."""
+    cache_dir: str = ""
+    """Where demonstrations and the pre-trained checkpoint are cached between runs ('' = $DIFFPOLICY_CACHE,
+    else runs/cache)."""
     video_episodes: int = 2
     """Episodes recorded to mp4 after fine-tuning."""
 
     def __post_init__(self) -> None:
+        self.cache_dir = self.cache_dir or default_cache_dir()
         _positive("seed", self.seed, allow_zero=True)
         _positive("checkpoint_every", self.checkpoint_every)
         _positive("eval_episodes", self.eval_episodes)
@@ -537,14 +545,15 @@ class PretrainConfig:
     """Seed for initialisation and batching."""
     demos: str = ""
     """Demonstration dataset ('' collects into the cache when missing)."""
-    cache_dir: str = "${oc.env:DIFFPOLICY_CACHE,runs/cache}"
-    """Where demonstrations are cached between runs."""
+    cache_dir: str = ""
+    """Where demonstrations are cached between runs ('' = $DIFFPOLICY_CACHE, else runs/cache)."""
     eval_episodes: int = 0
     """Held-out episodes evaluated after training (0 skips the evaluation)."""
     eval_seed: int = 100_000
     """First held-out seed (disjoint from demonstration seeds)."""
 
     def __post_init__(self) -> None:
+        self.cache_dir = self.cache_dir or default_cache_dir()
         _positive("seed", self.seed, allow_zero=True)
         _positive("eval_episodes", self.eval_episodes, allow_zero=True)
 

@@ -67,3 +67,11 @@ def test_dataclass_validation_in_python() -> None:
         C.EvaluateConfig()
     ok = dataclasses.replace(C.AlgoConfig(), lr=1e-3)
     assert ok.lr == 1e-3
+
+
+def test_cache_dir_outside_hydra_is_a_path(monkeypatch) -> None:
+    monkeypatch.delenv("DIFFPOLICY_CACHE", raising=False)
+    assert C.TrainConfig().cache_dir == "runs/cache" and C.PretrainConfig().cache_dir == "runs/cache"
+    monkeypatch.setenv("DIFFPOLICY_CACHE", "/data/cache")
+    assert C.TrainConfig().cache_dir == "/data/cache"
+    assert C.TrainConfig(cache_dir="mine").cache_dir == "mine"
