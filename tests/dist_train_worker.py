@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_train import TINY_POLICY, TINY_RUN
 
 
-def main(out: Path, init: str) -> None:
+def main(out: Path, init: str, *extra: str) -> None:
     overrides = [*TINY_RUN, *TINY_POLICY, f"policy.init={init}", "algo.iterations=1", "dist=ddp"]
-    overrides += ["eval_episodes=2", "dist.timeout_s=120"]
+    overrides += ["eval_episodes=2", "dist.timeout_s=120", *extra]
     cfg = compose("train", overrides)
     apply_visible_devices(cfg.dist, cfg.device.type)
     rt = Runtime.from_config(cfg.device)
@@ -42,4 +42,4 @@ def main(out: Path, init: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], *sys.argv[3:])

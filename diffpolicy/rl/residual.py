@@ -320,7 +320,10 @@ def residual_update(
     if cfg.residual_update == "trust_region":
         pool.add(grad, refs, x.shape[0])
         grad, refs = pool.mean()
-    signal, real, ref = signal_drift(head, x, grad, refs)
+    _, real, ref = signal_drift(head, x, grad, refs)
+    # ranks measure drift on their own batches: agree on one value, or their parameters would part
+    real, ref = _mean(real, info, x.device), _mean(ref, info, x.device)
+    signal = (real + 1e-12) / (ref + 1e-12)
     w = step_scale(signal, cfg.signal_margin) if cfg.signal_scaled_lr else 1.0
     out.update({
         "losses/signal_drift": signal, "losses/drift_real": real, "losses/drift_reference": ref,
@@ -331,7 +334,7 @@ def residual_update(
     before = [p.detach().clone() for p in head.parameters()]
     if w > 0 and cfg.residual_update == "trust_region":
         # one step down the pooled surrogate gradient, sized so that its first-order drift is w * max_drift
-        per_unit = float(correction_drift(head, x, grad))
+        per_unit = _mean(float(correction_drift(head, x, grad)), info, x.device)
         if per_unit > 0 and max_drift > 0:
             eta = w * max_drift / per_unit
             with torch.no_grad():
