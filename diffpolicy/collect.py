@@ -27,12 +27,10 @@ import numpy as np
 from diffpolicy.cli import launch
 from diffpolicy.config import ENV_RUNTIME_FIELDS, CollectConfig, EnvConfig
 from diffpolicy.data.dataset import DemoFormatError, DemoWriter, read_meta
+from diffpolicy.modalities import TENSOR_KEYS
 
 Progress = Callable[..., Iterator[Any]]
 """``progress(iterable, total=, desc=)`` (e.g. :meth:`diffpolicy.logger.Logger.progress`)."""
-
-OBS_KEYS = ("rgb", "points", "state", "instruction")
-"""Observation entries stored per step (those the environment returns)."""
 
 # Headless rendering when used as a library (the CLI sets it too). MuJoCo reads MUJOCO_GL when it is first
 # imported, and diffpolicy_envs.experts imports mujoco before the env module's own default applies.
@@ -69,7 +67,7 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
         step t holds the observation the expert acted on and the action it took.
     """
     obs, _ = env.reset(seed=seed)
-    steps: dict[str, list[Any]] = {k: [] for k in OBS_KEYS if k in obs and k != "instruction"}
+    steps: dict[str, list[Any]] = {k: [] for k in TENSOR_KEYS if k in obs}
     actions: list[np.ndarray] = []
     instruction = obs.get("instruction")
     success = False

@@ -23,9 +23,7 @@ import numpy as np
 import torch
 
 from diffpolicy.config import EnvConfig
-
-MODALITIES = ("rgb", "points", "state", "instruction")
-"""Observation keys the policy understands."""
+from diffpolicy.modalities import KEYS, MODALITIES
 
 
 class ActionChunkWrapper(gym.Wrapper):
@@ -138,7 +136,7 @@ def make_envs(
 def obs_spec(space: gym.spaces.Dict) -> dict[str, list[int]]:
     """Modality -> per-step shape, from a single environment's Dict observation space (instruction -> [])."""
     spec: dict[str, list[int]] = {}
-    for key in MODALITIES:
+    for key in KEYS:
         if key in space.spaces:
             sub = space.spaces[key]
             spec[key] = [] if key == "instruction" else list(sub.shape)

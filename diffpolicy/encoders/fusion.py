@@ -25,12 +25,8 @@ from diffpolicy.config import EncoderConfig
 from diffpolicy.encoders.pointcloud import PointCloudEncoder
 from diffpolicy.encoders.rgb import RGBEncoder
 from diffpolicy.encoders.text import TextEncoder
+from diffpolicy.modalities import MODALITIES, TENSOR_KEYS
 from diffpolicy.normalizer import MinMaxNormalizer
-
-VISUAL_KEYS = ("rgb", "points", "state")
-"""Token-producing modalities mixed by self-attention, in token order."""
-_PER_STEP_DIMS = {"rgb": 3, "points": 2, "state": 1}
-"""Dimensions of one observation step of each tensor modality (H W 3, N 3, Ds)."""
 
 
 def spec_shape(value: Any) -> tuple[int, ...]:
@@ -133,7 +129,7 @@ class ObservationEncoder(nn.Module):
             self.cross = AttentionBlock(D, cfg.fusion_heads)
         if not self.encoders and not self.use_text:
             raise ValueError(f"obs_spec {sorted(obs_spec)} has no modality enabled by policy.encoder.use_*")
-        self.modalities = [k for k in VISUAL_KEYS if k in self.encoders]
+        self.modalities = [k for k in TENSOR_KEYS if k in self.encoders]
         self.step_embed = nn.Parameter(torch.zeros(n_obs_steps, D))
         self.type_embed = nn.ParameterDict({k: nn.Parameter(torch.zeros(D)) for k in self.modalities})
         self.readout = nn.Parameter(torch.randn(D) * 0.02)
@@ -172,7 +168,7 @@ class ObservationEncoder(nn.Module):
         tokens = []
         for k in self.modalities:
             x = torch.as_tensor(obs[k], device=device)
-            if x.dim() == _PER_STEP_DIMS[k] + 1:
+            if x.dim() == MODALITIES[k].rank + 1:
                 x = x.unsqueeze(1)  # (B, 1, ...) when the To axis is missing
             To = x.shape[1]
             if To > self.n_obs_steps:

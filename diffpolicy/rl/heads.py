@@ -26,6 +26,7 @@ from diffpolicy import checkpoint
 from diffpolicy.config import TrainConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, seed_for_rank
+from diffpolicy.modalities import MODALITIES
 from diffpolicy.models.critic import Critic
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
 from diffpolicy.ops import gae
@@ -37,8 +38,6 @@ from diffpolicy.rl.residual import ResidualLearner, collect_steps, residual_spec
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
 from diffpolicy.rl.update import Learner, ppo_update
 from diffpolicy.rollout import RolloutStats, collect_rollout, make_envs
-
-_DTYPES = {"rgb": torch.uint8, "points": torch.float32, "state": torch.float32}
 
 
 def env_seeds(cfg: TrainConfig, base: int) -> list[int]:
@@ -54,7 +53,8 @@ def chain_specs(policy: Any, cond_dim: int) -> dict[str, Any]:
     """Preallocated rollout fields of the chain head: every observation modality, the chain, log-probs,
     values, rewards, dones, ``valid`` and the stored condition (reused when the encoders are frozen)."""
     obs = {
-        k: ((), TEXT) if k == "instruction" else (tuple(v), _DTYPES[k]) for k, v in policy.obs_spec.items()
+        k: ((), TEXT) if k == "instruction" else (tuple(v), MODALITIES[k].dtype)
+        for k, v in policy.obs_spec.items()
     }
     specs = ppo_specs(obs, ft_steps=policy.ft_steps, horizon=policy.horizon, action_dim=policy.action_dim)
     specs["valid"] = ((), torch.float32)

@@ -27,12 +27,12 @@ from torch import Tensor, nn
 
 from diffpolicy.config import AlgoConfig
 from diffpolicy.distributed import DistInfo, average_gradients, mean_metrics
+from diffpolicy.modalities import KEYS
 from diffpolicy.rl.advantages import denoise_discount, normalize
 from diffpolicy.rl.buffer import RolloutBuffer
 from diffpolicy.rl.ppo import approx_kl, policy_loss, regularizer, value_loss
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot, nan_guard
 
-OBS_KEYS = ("rgb", "points", "state", "instruction")
 KL_STEP_FACTOR = 1.5
 """A step whose own minibatch's approximate KL exceeds this x ``target_kl`` is undone (SB3's early-stop
 factor). Above 1 so that ordinary steps ending near the target are kept and left to the epoch-level stop,
@@ -60,7 +60,7 @@ class Learner:
 def batch_obs(mb: dict[str, Tensor], buffer: RolloutBuffer) -> dict[str, Any]:
     """Minibatch fields (B, ...) -> policy observation with the To = 1 axis (instruction ids -> strings)."""
     obs: dict[str, Any] = {}
-    for key in OBS_KEYS:
+    for key in KEYS:
         if key not in mb:
             continue
         if key == "instruction":
