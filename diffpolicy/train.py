@@ -62,8 +62,8 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
     if cfg.policy.init:
         path = Path(cfg.policy.init)
     else:
+        from diffpolicy.bc import pretrained_checkpoint
         from diffpolicy.distributed import main_rank_first
-        from diffpolicy.pretrain import pretrained_checkpoint
 
         def cached() -> Path:
             return pretrained_checkpoint(

@@ -55,9 +55,9 @@ def test_bc_learns_the_condition_on_a_toy_task() -> None:
 def test_bc_keeps_the_condition_on_pick_demonstrations(tmp_path) -> None:
     """On real MujocoPick demonstrations (state mode) the condition must not collapse: it used to shrink to
     ~3 % variation across observations within a few hundred steps, and the loss ignored it."""
-    from diffpolicy.collect import collect_demos
     from diffpolicy.config import EnvConfig
-    from diffpolicy.pretrain import DemoWindows
+    from diffpolicy.data.windows import DemoWindows
+    from diffpolicy.demos import collect_demos
 
     torch.manual_seed(0)
     collect_demos(EnvConfig(obs_mode="state", num_envs=1), 12, 0, tmp_path / "demos")

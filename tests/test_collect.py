@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diffpolicy.collect import cached_demos, collect_demos, demos_key
 from diffpolicy.config import EnvConfig
 from diffpolicy.data.dataset import DemoDataset, DemoReader
+from diffpolicy.demos import cached_demos, collect_demos, demos_key
 
 ROOT = Path(__file__).resolve().parents[1]
 REACH = EnvConfig(name="obstacle_reach", id="diffpolicy_envs:ObstacleReach-v0", obs_mode="state")

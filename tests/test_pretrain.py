@@ -11,19 +11,14 @@ import pytest
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.collect import collect_demos
+from diffpolicy.bc import EMA, behaviour_cloning, cosine_with_warmup, pretrained_checkpoint
 from diffpolicy.config import AlgoConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
 from diffpolicy.data.dataset import DemoDataset
+from diffpolicy.data.windows import DemoWindows
+from diffpolicy.demos import collect_demos
 from diffpolicy.device import Runtime
 from diffpolicy.logger import Logger, read_metrics
 from diffpolicy.policy_io import build_policy, load_policy
-from diffpolicy.pretrain import (
-    EMA,
-    DemoWindows,
-    behaviour_cloning,
-    cosine_with_warmup,
-    pretrained_checkpoint,
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 REACH = EnvConfig(name="obstacle_reach", id="diffpolicy_envs:ObstacleReach-v0", obs_mode="state", num_envs=2)
@@ -54,7 +49,7 @@ def test_windows_match_demo_dataset(reach_demos):
 
 
 def test_condition_gap_tells_a_conditional_denoiser_from_one_that_ignores_the_observation(reach_demos):
-    from diffpolicy.pretrain import condition_gap
+    from diffpolicy.bc import condition_gap
 
     data = DemoWindows(reach_demos, 1, SMALL.horizon)
     policy = build_policy(SMALL, data.obs_spec, data.action_dim).eval()
@@ -125,12 +120,12 @@ def test_pretrained_checkpoint_is_cached(tmp_path, monkeypatch):
     algo = AlgoConfig(bc_epochs=1, bc_batch_size=32, n_demos=2)
     path = pretrained_checkpoint(REACH, SMALL, algo, CPU, tmp_path / "cache", run_dir=tmp_path / "run")
     assert checkpoint.exists(path) and path.parent.parent == tmp_path / "cache" / "bc"
-    import diffpolicy.pretrain as pretrain
+    import diffpolicy.bc as bc
 
     def no_training(*args, **kwargs):
         raise AssertionError("trained again despite the cache")
 
-    monkeypatch.setattr(pretrain, "behaviour_cloning", no_training)
+    monkeypatch.setattr(bc, "behaviour_cloning", no_training)
     assert pretrained_checkpoint(REACH, SMALL, algo, CPU, tmp_path / "cache") == path
     # the fine-tuning sampler's settings do not change a BC result: the same checkpoint serves them all
     sampling = dataclasses.replace(SMALL, min_std=0.01, eta=0.5, ft_steps=1)

@@ -3,7 +3,7 @@
 The expert passes the obstacle on the left or on the right at random, so the demonstrations are bimodal. A
 diffusion policy (state observations, small 1-D U-Net) and the Gaussian MLP baseline (``kind=gaussian``,
 same encoders) are behaviour-cloned on the same demonstrations with the same budget (epochs, batch size,
-learning rate) by :func:`diffpolicy.pretrain.behaviour_cloning`, then evaluated with
+learning rate) by :func:`diffpolicy.bc.behaviour_cloning`, then evaluated with
 :func:`diffpolicy.rollout.evaluate` on held-out seeds (deterministic sampling: DDIM with eta = 0 for the
 diffusion policy, which still draws its initial noise, and the mean chunk for the Gaussian).
 
@@ -73,7 +73,7 @@ def train_and_evaluate(
 ) -> dict[str, Any]:
     """Behaviour-clone one policy kind on ``demos`` and evaluate it on held-out seeds."""
     from diffpolicy import rollout
-    from diffpolicy.pretrain import behaviour_cloning
+    from diffpolicy.bc import behaviour_cloning
 
     cfg = policy_config(kind, s)
     algo = AlgoConfig(bc_epochs=int(s["epochs"]), bc_batch_size=int(s["batch_size"]), bc_lr=float(s["lr"]))
@@ -117,7 +117,7 @@ def run(repeats: int = 1, threads: int = 2, **kw: Any) -> dict[str, Any]:
         final loss, steps, train / eval seconds, parameters), ``expert_success_rate``, ``wall_time_s`` and
         ``settings``.
     """
-    from diffpolicy.collect import collect_demos
+    from diffpolicy.demos import collect_demos
 
     unknown = sorted(set(kw) - set(DEFAULTS) - {"work_dir"})
     if unknown:

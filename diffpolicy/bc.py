@@ -1,0 +1,304 @@
+"""Behaviour cloning: the training loop, its EMA and schedule, and the cache of pre-trained policies.
+
+:func:`behaviour_cloning`: normalisers fitted on the demonstrations, AdamW (``algo.bc_lr``, weight decay
+1e-6) with linear warm-up then cosine decay, gradient clipping (``algo.bc_max_grad_norm``), an EMA copy of
+the weights (``algo.ema_decay``) which is what gets saved and evaluated; ``losses/bc`` and ``train/lr`` to
+TensorBoard / ``metrics.jsonl`` with a progress bar; checkpoints (:mod:`diffpolicy.policy_io`) in
+``<run_dir>/checkpoints`` during training and at the end. :func:`pretrained_checkpoint` returns the cached
+BC checkpoint ``<cache_dir>/bc/<key>`` for the same env / policy / BC settings and seed, training (and
+caching) it first when there is none.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffpolicy import checkpoint
+from diffpolicy.config import AlgoConfig, EnvConfig, PolicyConfig
+from diffpolicy.data.windows import DemoWindows
+from diffpolicy.demos import cached_demos, demos_key
+from diffpolicy.device import Runtime
+from diffpolicy.diffusion.schedule import ddpm_loss
+from diffpolicy.logger import Logger
+from diffpolicy.policy_io import build_policy, save_policy
+
+BC_WEIGHT_DECAY = 1e-6
+"""AdamW weight decay of behaviour cloning."""
+BC_FIELDS = ("bc_epochs", "bc_batch_size", "bc_lr", "ema_decay", "n_demos", "bc_max_grad_norm")
+"""AlgoConfig fields that change a BC result (part of the cache key)."""
+POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing", "ft_steps", "eta", "min_std")
+"""PolicyConfig fields that do not change a BC result (left out of the cache key); the sampling ones are set
+on the loaded policy by :func:`diffpolicy.train.initial_policy` (``DiffusionPolicy.set_sampling``)."""
+LOG_EVERY = 10
+"""Optimiser steps per logged ``losses/bc`` point (the mean over those steps)."""
+PROBE_WINDOWS = 64
+"""Windows in the fixed batch of :func:`condition_gap`."""
+
+
+def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
+    """LR multiplier: linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class EMA:
+    """Exponential moving average of a module's weights, with the usual warm-up of the decay.
+
+    ``decay_t = min(max_decay, (1 + t) / (10 + t))``; buffers (normalisers) are copied, not averaged.
+    """
+
+    def __init__(self, module: torch.nn.Module, max_decay: float) -> None:
+        self.module = copy.deepcopy(module).eval().requires_grad_(False)
+        self.max_decay = max_decay
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module) -> None:
+        decay = min(self.max_decay, (1 + self.updates) / (10 + self.updates))
+        for ema_p, p in zip(self.module.parameters(), module.parameters()):
+            ema_p.lerp_(p.detach(), 1.0 - decay)
+        for ema_b, b in zip(self.module.buffers(), module.buffers()):
+            ema_b.copy_(b)
+        self.updates += 1
+
+
+@torch.no_grad()
+def condition_gap(policy: Any, obs: dict[str, Any], actions: torch.Tensor, seed: int = 0) -> float:
+    """How much the denoiser relies on the observation: loss with shuffled conditions / loss with the right ones.
+
+    obs (B, To, ...) and actions (B, Ta, Da) (env units) of B >= 2 windows; one fixed diffusion step
+    t = T / 10 and fixed noise (``seed``), conditions encoded without augmentation and shuffled by a cyclic
+    shift. About 1 means the policy ignores its observations (the collapse that used to make behaviour
+    cloning unconditional); a policy that uses them scores well above 1.
+    """
+    cond = policy.encode(obs, augment=False)  # (B, cond_dim)
+    x0 = policy.action_normalizer.normalize(actions.to(cond.device, torch.float32))
+    B = x0.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(x0.shape, generator=gen).to(x0.device)
+    t = torch.full((B,), max(1, policy.schedule.train_timesteps // 10), device=x0.device)
+    right, shuffled = (
+        ddpm_loss(policy.denoiser, x0, c, policy.schedule, t=t, noise=noise)
+        for c in (cond, cond.roll(1, dims=0))
+    )
+    return float(shuffled / right.clamp_min(1e-12))
+
+
+def behaviour_cloning(
+    env_cfg: EnvConfig,
+    policy_cfg: PolicyConfig,
+    algo: AlgoConfig,
+    demos_path: str | Path,
+    runtime: Runtime,
+    logger: Logger,
+    run_dir: str | Path,
+    seed: int,
+    *,
+    text_backend: str = "minilm",
+    checkpoints: int = 4,
+    extra: dict[str, Any] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Train a policy by behaviour cloning on the demonstrations at ``demos_path``.
+
+    Runs ``algo.bc_epochs`` passes over all windows in batches of ``algo.bc_batch_size`` (the last,
+    incomplete batch of an epoch is dropped), logging ``losses/bc`` / ``train/lr`` against the optimiser
+    step and ``train/condition_gap`` (:func:`condition_gap` of the EMA diffusion policy on a fixed batch) per epoch, and
+    writing ``checkpoints`` intermediate checkpoints plus the final one (the EMA weights as
+    ``"policy"``) under ``<run_dir>/checkpoints``.
+
+    Args:
+        env_cfg, policy_cfg, algo: the pieces of a Pretrain/TrainConfig (algo's ``bc_*``, ``ema_decay``
+            and ``bc_max_grad_norm`` are used).
+        demos_path: dataset directory.
+        runtime: device and precision.
+        logger: metrics logger (its progress bar shows the steps).
+        run_dir: where ``checkpoints/`` goes.
+        seed: initialisation and batching seed.
+        text_backend: instruction embedder (``minilm``; ``hash`` for fast tests).
+        checkpoints: intermediate checkpoints during training (0 = only the final one).
+        extra: stored in every checkpoint's ``extra`` (e.g. cache keys).
+
+    Returns:
+        ``(policy, metrics)``: the EMA policy in eval mode on ``runtime.device`` and
+        ``{"final_loss", "epochs", "steps", "s_per_step", "n_windows", "n_episodes", "checkpoint",
+        "condition_gap", "wall_time_s"}`` (final_loss: mean loss over the last epoch).
+    """
+    t0 = time.perf_counter()
+    device = runtime.device
+    runtime.manual_seed(seed)
+    data = DemoWindows(demos_path, policy_cfg.n_obs_steps, policy_cfg.horizon)
+    policy = build_policy(policy_cfg, data.obs_spec, data.action_dim, text_backend=text_backend)
+    steps = data.steps()
+    state = data.data["state"][steps] if "state" in data.data else None
+    policy.fit_normalizers(actions=data.data["action"][steps], state=state)
+    policy.to(device).train()
+    ema = EMA(policy, algo.ema_decay)
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=algo.bc_lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
+    batch_size = min(algo.bc_batch_size, len(data))
+    per_epoch = len(data) // batch_size
+    total = per_epoch * algo.bc_epochs
+    warmup = max(1, min(500, total // 20))
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
+    scaler = runtime.grad_scaler()
+    gen = torch.Generator().manual_seed(seed)
+    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_every = max(1, algo.bc_epochs // checkpoints) if checkpoints > 0 else algo.bc_epochs + 1
+    description = {"stage": "bc", "demos": str(demos_path), "seed": seed, **(extra or {})}
+
+    def save(step: int, epoch: int, loss: float) -> Path:
+        return save_policy(
+            ckpt_root,
+            step,
+            ema.module,
+            env_cfg=env_cfg,
+            policy_cfg=policy_cfg,
+            obs_spec=data.obs_spec,
+            extra_state={
+                "model": policy.state_dict(),
+                "optim": optim.state_dict(),
+                "rng": checkpoint.rng_state(),
+            },
+            metrics={"losses/bc": loss, "epoch": epoch},
+            extra={**description, "epoch": epoch},
+            keep=2,
+        )
+
+    probe_idx = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:PROBE_WINDOWS]
+    probe = data.batch(probe_idx, device)  # fixed windows for condition_gap
+    step, epoch_loss, window_loss, window_n, gap = 0, float("nan"), 0.0, 0, float("nan")
+    t_train = time.perf_counter()
+    bar = iter(logger.progress(range(total), total=total, desc="bc"))
+    for epoch in range(1, algo.bc_epochs + 1):
+        order = torch.randperm(len(data), generator=gen)
+        loss_sum = 0.0
+        for b in range(per_epoch):
+            next(bar, None)
+            obs, actions = data.batch(order[b * batch_size : (b + 1) * batch_size], device)
+            with runtime.autocast():
+                loss = policy.bc_loss(obs, actions)
+            optim.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optim)
+            torch.nn.utils.clip_grad_norm_(params, algo.bc_max_grad_norm or math.inf)
+            scaler.step(optim)
+            scaler.update()
+            sched.step()
+            ema.update(policy)
+            step += 1
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise ValueError(f"behaviour-cloning loss is {value} at step {step}; lower algo.bc_lr")
+            loss_sum += value
+            window_loss, window_n = window_loss + value, window_n + 1
+            if window_n == LOG_EVERY or step == total:
+                logger.log({"losses/bc": window_loss / window_n, "train/lr": sched.get_last_lr()[0]}, step)
+                window_loss, window_n = 0.0, 0
+        epoch_loss = loss_sum / max(1, per_epoch)
+        scalars = {"losses/bc_epoch": epoch_loss, "train/epoch": epoch}
+        if hasattr(ema.module, "denoiser"):  # diffusion policies (the Gaussian baseline has no denoiser)
+            gap = scalars["train/condition_gap"] = condition_gap(ema.module, *probe, seed=seed)
+        logger.log(scalars, step)
+        if epoch % ckpt_every == 0 and epoch < algo.bc_epochs:
+            save(step, epoch, epoch_loss)
+    next(bar, None)  # close the progress bar
+    train_s = time.perf_counter() - t_train
+    final = save(step, algo.bc_epochs, epoch_loss)
+    logger.log({"time/bc_s_per_step": train_s / max(1, step)}, step)
+    policy = ema.module.eval()
+    metrics = {
+        "final_loss": epoch_loss,
+        "epochs": algo.bc_epochs,
+        "steps": step,
+        "s_per_step": round(train_s / max(1, step), 4),
+        "n_windows": len(data),
+        "n_episodes": data.n_episodes,
+        "checkpoint": str(final),
+        "condition_gap": round(gap, 3),
+        "wall_time_s": round(time.perf_counter() - t0, 2),
+    }
+    return policy, metrics
+
+
+# ------------------------------------------------------------------------------------------------- cache
+def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, algo: AlgoConfig, seed: int) -> str:
+    """Short hash naming a cached BC checkpoint: the demonstrations' key, the policy and the BC settings."""
+    policy = {k: v for k, v in dataclasses.asdict(policy_cfg).items() if k not in POLICY_FIELDS_IGNORED}
+    bc = {k: getattr(algo, k) for k in BC_FIELDS}
+    blob = json.dumps(
+        {"demos": demos_key(env_cfg, algo.n_demos, seed), "policy": policy, "bc": bc, "seed": seed},
+        sort_keys=True,
+        default=str,
+    )
+    return f"{env_cfg.name}-{policy_cfg.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def pretrained_checkpoint(
+    env_cfg: EnvConfig,
+    policy_cfg: PolicyConfig,
+    algo: AlgoConfig,
+    runtime: Runtime,
+    cache_dir: str | Path,
+    *,
+    seed: int = 0,
+    logger: Logger | None = None,
+    run_dir: str | Path | None = None,
+    text_backend: str = "minilm",
+    progress: bool = True,
+) -> Path:
+    """The cached BC checkpoint for these settings (``<cache_dir>/bc/<bc_key>``), trained first if missing.
+
+    Demonstrations come from :func:`diffpolicy.demos.cached_demos` (``algo.n_demos`` episodes from
+    ``seed``). Training logs and intermediate checkpoints go to ``run_dir`` (default
+    ``<cache_dir>/bc/<key>.run``); only the finished checkpoint is written into the cache, so an interrupted
+    run never leaves a half-trained one there. ``progress`` shows progress bars when no ``logger`` is given.
+    """
+    root = Path(cache_dir) / "bc" / bc_key(env_cfg, policy_cfg, algo, seed)
+    if checkpoint.exists(root):
+        return checkpoint.resolve(root)
+    run_dir = Path(run_dir) if run_dir is not None else root.with_name(root.name + ".run")
+    own_logger = logger is None
+    logger = logger or Logger(run_dir, tensorboard=False, progress=progress)
+    try:
+        demos, _ = cached_demos(env_cfg, algo.n_demos, seed, cache_dir, progress=logger.progress)
+        policy, metrics = behaviour_cloning(
+            env_cfg, policy_cfg, algo, demos, runtime, logger, run_dir, seed, text_backend=text_backend
+        )
+    finally:
+        if own_logger:
+            logger.close()
+    return publish(policy, env_cfg, policy_cfg, root, metrics, demos)
+
+
+def publish(
+    policy: Any,
+    env_cfg: EnvConfig,
+    policy_cfg: PolicyConfig,
+    root: Path,
+    metrics: dict[str, Any],
+    demos: Path,
+) -> Path:
+    """Write a finished BC policy into the cache root ``root`` (no-op if another run already did)."""
+    if checkpoint.exists(root):
+        return checkpoint.resolve(root)
+    return save_policy(
+        root,
+        int(metrics["steps"]),
+        policy,
+        env_cfg=env_cfg,
+        policy_cfg=policy_cfg,
+        metrics={"losses/bc": metrics["final_loss"]},
+        extra={"stage": "bc", "demos": str(demos), "source": metrics["checkpoint"]},
+    )

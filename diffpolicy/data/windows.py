@@ -1,0 +1,85 @@
+"""Training windows of a demonstration dataset for behaviour cloning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffpolicy.data.dataset import DemoReader
+
+
+class DemoWindows:
+    """Every training window of a demonstration dataset, held in memory and gathered by index.
+
+    Window t (one per stored step) has the same meaning as in :class:`diffpolicy.data.dataset.DemoDataset`:
+    observations at steps t-To+1 .. t (the episode's first step repeated before its start) and actions
+    t .. t+Ta-1 (its last action repeated past its end). Episodes marked failed (``success`` False) are left
+    out. Raw units: the policy normalises actions and state itself.
+
+    Args:
+        path: dataset directory (:class:`~diffpolicy.data.dataset.DemoWriter` format).
+        obs_horizon: To.
+        action_horizon: Ta.
+        obs_keys: observation fields to serve (default: every field the dataset has).
+    """
+
+    def __init__(
+        self, path: str | Path, obs_horizon: int, action_horizon: int, obs_keys: list[str] | None = None
+    ) -> None:
+        reader = DemoReader(path)
+        self.path = Path(path)
+        self.meta = reader.meta
+        fields = [k for k in reader.fields if k != "action"]
+        self.obs_keys = [k for k in (obs_keys or fields) if k in fields]
+        self.instructions = list(reader.instructions)
+        self.data = {
+            k: torch.from_numpy(reader.read(k, 0, reader.num_steps)) for k in [*self.obs_keys, "action"]
+        }
+        success = self.meta["success"]
+        keep = [i for i in range(reader.num_episodes) if success[i] is not False]
+        if not keep:
+            raise ValueError(f"demonstrations at {path} hold no successful episode")
+        obs_idx, act_idx = [], []
+        for i in keep:
+            start, end = int(reader.episode_starts[i]), int(reader.episode_ends[i])
+            t = np.arange(start, end)[:, None]  # (L, 1)
+            obs_idx.append(np.maximum(t + np.arange(1 - obs_horizon, 1), start))  # (L, To)
+            act_idx.append(np.minimum(t + np.arange(action_horizon), end - 1))  # (L, Ta)
+        self.obs_idx = torch.from_numpy(np.concatenate(obs_idx))  # (N, To)
+        self.act_idx = torch.from_numpy(np.concatenate(act_idx))  # (N, Ta)
+        self.n_episodes = len(keep)
+        self.obs_spec = {
+            k: [] if k == "instruction" else list(reader.fields[k]["shape"]) for k in self.obs_keys
+        }
+        self.action_dim = int(reader.fields["action"]["shape"][0])
+
+    def __len__(self) -> int:
+        return len(self.obs_idx)
+
+    def steps(self) -> torch.Tensor:
+        """Indices of every stored step that belongs to a kept episode (for fitting normalisers)."""
+        return torch.unique(self.obs_idx[:, -1])
+
+    def batch(
+        self, idx: torch.Tensor, device: torch.device | str = "cpu"
+    ) -> tuple[dict[str, Any], torch.Tensor]:
+        """Windows ``idx`` (B,) -> (obs, actions): ``rgb`` (B, To, H, W, 3) uint8, ``points`` (B, To, N, 3),
+        ``state`` (B, To, Ds), ``instruction`` list of B strings (at step t); actions (B, Ta, Da) float32."""
+        oi = self.obs_idx[idx]  # (B, To)
+        obs: dict[str, Any] = {}
+        for key in self.obs_keys:
+            if key == "instruction":
+                obs[key] = [self.instructions[int(j)] for j in self.data[key][oi[:, -1]]]
+            else:
+                value = self.data[key][oi]  # (B, To, ...)
+                obs[key] = (value if value.dtype == torch.uint8 else value.float()).to(
+                    device, non_blocking=True
+                )
+        actions = self.data["action"][self.act_idx[idx]].float().to(device, non_blocking=True)  # (B, Ta, Da)
+        return obs, actions
+
+
+# ---------------------------------------------------------------------------------------------- training
