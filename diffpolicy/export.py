@@ -25,7 +25,7 @@ Only the modalities of the checkpoint's obs_spec appear (a leading To axis after
 steps with a non-zero std (all K with eta > 0). Output: ``actions`` (B, Ta, Da) float32 in environment
 units; execute the first Te rows (from To - 1).
 
-**Base + residual** (a checkpoint of ``algo=residual``, :class:`diffpolicy.residual.ResidualPolicy`): the
+**Base + residual** (a checkpoint of ``algo=residual``, :class:`diffpolicy.policies.residual.ResidualPolicy`): the
 policy is the frozen base chunking policy plus a head that corrects every control step's action, so two
 graphs are written. ``policy.onnx`` is the base's sampler, always deterministic (no ``step_noise``: the
 residual's base samples with eta = 0; x_K still comes in as ``noise``); when the head reads the base's
@@ -258,7 +258,7 @@ class ResidualGraph(nn.Module):
     ``forward(state, base_action, phase[, cond])``: state (B, Ds) raw units, base_action (B, Da) env units,
     phase (B,) int64 in [0, Te), cond (B, cond_dim) when the head reads it -> action (B, Da) =
     clip(base_action + alpha * tanh(mean(x)), -1, 1), where x = ``head.inputs(state normalised by the
-    base's state normaliser, base_action, phase, cond)``: exactly :meth:`diffpolicy.residual.StepActor.act`
+    base's state normaliser, base_action, phase, cond)``: exactly :meth:`diffpolicy.policies.residual.StepActor.act`
     with ``deterministic=True`` (u = the mean).
     """
 

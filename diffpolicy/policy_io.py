@@ -10,7 +10,7 @@ A policy checkpoint is a :mod:`diffpolicy.checkpoint` directory whose
   ``extra["action_dim"]`` is Da.
 
 :func:`load_policy` rebuilds both dataclasses (re-running their validation), the policy with
-:func:`~diffpolicy.policy.make_policy` and its weights with :func:`~diffpolicy.checkpoint.load_state`, which
+:func:`~diffpolicy.policies.make_policy` and its weights with :func:`~diffpolicy.checkpoint.load_state`, which
 checks every key and shape first. Anything that does not fit raises :class:`CheckpointError` in one line.
 """
 
@@ -104,7 +104,7 @@ def build_policy(
     text_backend: str = "minilm",
 ) -> Any:
     """``make_policy`` that also records ``obs_spec`` on the policy (``policy.obs_spec``) for saving."""
-    from diffpolicy.policy import make_policy
+    from diffpolicy.policies import make_policy
 
     policy = make_policy(policy_cfg, obs_spec, action_dim, text_backend=text_backend)
     policy.obs_spec = {k: [] if k == "instruction" else [int(s) for s in v] for k, v in obs_spec.items()}
@@ -239,7 +239,7 @@ def policy_from(
 def residual_from(ckpt: Checkpoint, base: Any) -> Any:
     """Wrap ``base`` with the checkpoint's residual head into a ``ResidualPolicy`` (weights loaded)."""
     from diffpolicy.models.residual import ResidualHead
-    from diffpolicy.residual import ResidualPolicy
+    from diffpolicy.policies.residual import ResidualPolicy
 
     desc = ckpt.extra.get("residual")
     if not isinstance(desc, dict) or not {"alpha", "hidden", "cond_dim"} <= set(desc):

@@ -250,10 +250,10 @@ def evaluate(
     Episodes run in waves of ``num_envs``; each wave resets its environments with the wave's seeds and runs
     until every one of them has finished once (what an environment does after that is ignored). A policy
     that acts per control step (``acts_per_step``: base + residual) runs on control-step environments
-    through :func:`diffpolicy.residual.evaluate_steps` with its deterministic correction.
+    through :func:`diffpolicy.policies.residual.evaluate_steps` with its deterministic correction.
     """
     if getattr(policy, "acts_per_step", False):
-        from diffpolicy.residual import evaluate_steps
+        from diffpolicy.policies.residual import evaluate_steps
 
         venv = make_envs(cfg, n_action_steps, num_envs, seed, chunked=False)
         try:
@@ -319,7 +319,7 @@ def record_video(
     """Write an mp4 of ``n_episodes`` episodes (seeds ``seed + i``) to ``path``; returns the frame count.
 
     A policy that acts per control step (base + residual) is driven by a one-environment
-    :class:`diffpolicy.residual.StepActor` with its deterministic correction.
+    :class:`diffpolicy.policies.residual.StepActor` with its deterministic correction.
     """
     per_step = getattr(policy, "acts_per_step", False)
     env = _make_one(cfg, n_action_steps, render_mode="rgb_array", record=True)
@@ -327,7 +327,7 @@ def record_video(
     policy.eval()
     try:
         if per_step:
-            from diffpolicy.residual import StepActor
+            from diffpolicy.policies.residual import StepActor
 
             actor, inner = StepActor(policy, 1, device), env.env  # step the env under the chunk wrapper
         for i in range(n_episodes):

@@ -6,7 +6,7 @@ import torch
 
 from diffpolicy.config import EncoderConfig, PolicyConfig
 from diffpolicy.diffusion.schedule import ddpm_loss
-from diffpolicy.policy import make_policy
+from diffpolicy.policies import make_policy
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from diffpolicy.device import Runtime
 from diffpolicy.diffusion.sampler import ddim_sample, ddim_sample_reference
 from diffpolicy.distributed import DistInfo
 from diffpolicy.models.critic import Critic
-from diffpolicy.policy import DiffusionPolicy, make_policy
+from diffpolicy.policies import DiffusionPolicy, make_policy
 from diffpolicy.rl.buffer import RolloutBuffer, ppo_specs
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
 from diffpolicy.rl.update import KL_STEP_FACTOR, Learner, ppo_update

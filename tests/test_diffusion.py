@@ -8,7 +8,7 @@ import torch
 from diffpolicy.diffusion.sampler import ddim_sample, ddim_sample_reference
 from diffpolicy.diffusion.schedule import NoiseSchedule, cosine_betas, ddim_step_mean_std, ddpm_loss
 from diffpolicy.models.unet1d import ConditionalUnet1D
-from diffpolicy.policy import normal_log_prob
+from diffpolicy.policies import normal_log_prob
 
 B, TA, DA, COND = 2, 16, 7, 16
 

@@ -25,7 +25,7 @@ from diffpolicy.export import (  # noqa: E402
     export_onnx,
     parity_inputs,
 )
-from diffpolicy.policy import make_policy  # noqa: E402
+from diffpolicy.policies import make_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-4

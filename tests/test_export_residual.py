@@ -19,8 +19,8 @@ onnx = pytest.importorskip("onnx")
 
 from diffpolicy.cli import compose  # noqa: E402
 from diffpolicy.export import ExportConfig, ResidualGraph, main  # noqa: E402
+from diffpolicy.policies.residual import StepActor  # noqa: E402
 from diffpolicy.policy_io import build_policy, env_spec, load_policy  # noqa: E402
-from diffpolicy.residual import StepActor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from residual_checkpoint import residual_checkpoint  # noqa: E402

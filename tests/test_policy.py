@@ -7,8 +7,7 @@ import torch
 
 from diffpolicy.config import EncoderConfig, PolicyConfig
 from diffpolicy.models.critic import Critic
-from diffpolicy.models.gaussian import GaussianPolicy
-from diffpolicy.policy import ActionQueue, DiffusionPolicy, make_policy
+from diffpolicy.policies import ActionQueue, DiffusionPolicy, GaussianPolicy, make_policy
 
 B, TA, DA, TE = 3, 16, 4, 4
 ENC = EncoderConfig(rgb_channels=[8], rgb_keypoints=4, voxel_grid=4, voxel_channels=[8], token_dim=16,

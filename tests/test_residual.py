@@ -253,8 +253,8 @@ def residual_run(tmp_path_factory: pytest.TempPathFactory, init_ckpt: Path) -> t
 
 def test_residual_tiny_run_end_to_end(residual_run: tuple[Path, dict]) -> None:
     from diffpolicy.logger import read_metrics
+    from diffpolicy.policies.residual import ResidualPolicy
     from diffpolicy.policy_io import load_policy
-    from diffpolicy.residual import ResidualPolicy
 
     run_dir, summary = residual_run
     assert summary["head"] == "residual" and summary["env_steps"] == 3 * 12 * 2

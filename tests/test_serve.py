@@ -272,7 +272,7 @@ def _tiny_checkpoint(root: Path) -> Path:
 
     from diffpolicy import checkpoint
     from diffpolicy.config import EncoderConfig, PolicyConfig
-    from diffpolicy.policy import make_policy
+    from diffpolicy.policies import make_policy
 
     cfg = PolicyConfig(
         down_dims=[8, 16],

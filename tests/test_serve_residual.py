@@ -16,8 +16,8 @@ import torch
 
 grpc = pytest.importorskip("grpc")
 
+from diffpolicy.policies.residual import StepActor  # noqa: E402
 from diffpolicy.policy_io import load_policy  # noqa: E402
-from diffpolicy.residual import StepActor  # noqa: E402
 from diffpolicy.serving.client import PolicyClient  # noqa: E402
 from diffpolicy.serving.sampler import ResidualSampler, sampler_from_checkpoint  # noqa: E402
 from diffpolicy.serving.server import PolicyServer  # noqa: E402

@@ -35,7 +35,7 @@ import torch
 
 from diffpolicy.benchmarks.serve_load import closed_loop, load_process
 from diffpolicy.config import PolicyConfig
-from diffpolicy.policy import make_policy
+from diffpolicy.policies import make_policy
 from diffpolicy.serving.client import PolicyClient
 from diffpolicy.serving.sampler import PolicySampler
 from diffpolicy.serving.server import PolicyServer

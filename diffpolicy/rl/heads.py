@@ -30,7 +30,7 @@ from diffpolicy.modalities import MODALITIES
 from diffpolicy.models.critic import Critic
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
 from diffpolicy.ops import gae
-from diffpolicy.residual import ResidualPolicy, StepActor
+from diffpolicy.policies.residual import ResidualPolicy, StepActor
 from diffpolicy.rl.advantages import gae_advantages, grpo_advantages
 from diffpolicy.rl.buffer import TEXT, RolloutBuffer, ppo_specs
 from diffpolicy.rl.ppo import clip_schedule

@@ -43,7 +43,7 @@ from torch.func import functional_call, jvp
 from diffpolicy.config import AlgoConfig
 from diffpolicy.distributed import DistInfo, average_gradients, mean_metrics
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
-from diffpolicy.residual import StepActor
+from diffpolicy.policies.residual import StepActor
 from diffpolicy.rl.advantages import normalize
 from diffpolicy.rl.buffer import RolloutBuffer
 from diffpolicy.rl.ppo import approx_kl, value_loss

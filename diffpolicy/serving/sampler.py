@@ -122,7 +122,7 @@ class ResidualSampler:
     """A base + residual policy as a per-step server ``Sampler``: one corrected action (1, Da) per request.
 
     Each session (one robot's episode, the request's ``Observation.session``) keeps its base chunk, cond and
-    phase, as :class:`diffpolicy.residual.StepActor` keeps them per environment: a request whose session is
+    phase, as :class:`diffpolicy.policies.residual.StepActor` keeps them per environment: a request whose session is
     new or has executed its Te actions first replans (the base's deterministic DDIM, x_K from this
     sampler's seeded generator), then gets clip(base[phase] + alpha * tanh(mean(x)), -1, 1) with x built
     from its own state: the deterministic action ``StepActor.act(deterministic=True)`` executes. Requests
@@ -144,7 +144,7 @@ class ResidualSampler:
     ) -> None:
         """
         Args:
-            policy: a :class:`diffpolicy.residual.ResidualPolicy` in eval mode.
+            policy: a :class:`diffpolicy.policies.residual.ResidualPolicy` in eval mode.
             obs_shapes: the checkpoint's ``extra["obs_spec"]`` (key -> per-step shape).
             runtime: device and precision of the base's sampling (default: the policy's device, fp32).
             seed: seed of the generator of the base's x_K.

@@ -16,149 +16,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from diffpolicy.config import PolicyConfig
 from diffpolicy.diffusion.sampler import ddim_sample
 from diffpolicy.diffusion.schedule import NoiseSchedule, ddim_step_mean_std, ddpm_loss
-from diffpolicy.encoders.fusion import ObservationEncoder
 from diffpolicy.models.unet1d import ConditionalUnet1D
-from diffpolicy.normalizer import MinMaxNormalizer
-
-Obs = Mapping[str, Any]
-_HALF_LOG_2PI = math.log(math.sqrt(2 * math.pi))
-
-
-@dataclass
-class SampleOutput:
-    """One sampled chunk per observation (everything detached)."""
-
-    actions: torch.Tensor
-    """(B, Ta, Da) actions in env units (un-normalised)."""
-    normalized: torch.Tensor
-    """(B, Ta, Da) the same actions in normalised units (x_0)."""
-    chain: torch.Tensor | None
-    """(B, K'+1, Ta, Da) normalised latents x_{K'} .. x_0 of the fine-tuned steps (None unless asked)."""
-    means: torch.Tensor | None
-    """(B, K', Ta, Da) mean of each fine-tuned transition at sampling time (None unless asked)."""
-    stds: torch.Tensor | None
-    """Std of each fine-tuned transition, broadcastable to ``means``: (1, K', 1, 1) diffusion, (1, 1, Ta, Da)
-    Gaussian (None unless asked)."""
-    log_probs: torch.Tensor | None
-    """(B, K') log-probability of each stored transition at sampling time (None unless asked)."""
-    cond: torch.Tensor
-    """(B, cond_dim) observation conditioning vector the chunk was sampled with."""
-
-
-def normal_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor | float) -> torch.Tensor:
-    """Elementwise log N(x; mean, std^2), the same formula as ``torch.distributions.Normal.log_prob``."""
-    std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
-    return -((x - mean) ** 2) / (2 * std**2) - std.log() - _HALF_LOG_2PI
-
-
-class PolicyBase(nn.Module):
-    """What diffusion and Gaussian policies share: encoders, action normaliser, acting and reductions."""
-
-    ft_steps: int
-    """K': transitions per decision whose log-probabilities ``log_prob`` returns."""
-
-    def __init__(self, cfg: PolicyConfig, obs_spec: Obs, action_dim: int, *, text_backend: str = "minilm"):
-        super().__init__()
-        self.cfg = cfg
-        self.action_dim = action_dim
-        self.horizon = cfg.horizon
-        self.n_obs_steps = cfg.n_obs_steps
-        self.n_action_steps = cfg.n_action_steps
-        self.obs_encoder = ObservationEncoder(
-            cfg.encoder, obs_spec, cfg.n_obs_steps, cfg.cond_dim, text_backend=text_backend
-        )
-        self.obs_encoder.grad_checkpointing = cfg.grad_checkpointing
-        self.action_normalizer = MinMaxNormalizer(action_dim)
-        self.set_freeze_encoders(cfg.freeze_encoders)
-
-    # ------------------------------------------------------------------------------------------ setup
-    def set_freeze_encoders(self, frozen: bool) -> None:
-        """Switch requires_grad of all encoder weights (the MiniLM itself is always frozen)."""
-        self.encoders_frozen = frozen
-        self.obs_encoder.requires_grad_(not frozen)
-
-    def fit_normalizers(self, actions: torch.Tensor | None = None, state: torch.Tensor | None = None) -> None:
-        """Fit min/max of actions (..., Da) and proprioception (..., Ds) from demonstration data."""
-        if actions is not None:
-            self.action_normalizer.fit(actions)
-        if state is not None and self.obs_encoder.state_dim:
-            self.obs_encoder.state_normalizer.fit(state)
-
-    @property
-    def device(self) -> torch.device:
-        return self.action_normalizer.low.device
-
-    @property
-    def exec_slice(self) -> slice:
-        """Executed actions of a chunk: [To - 1, To - 1 + Te) along Ta."""
-        start = self.n_obs_steps - 1
-        return slice(start, start + self.n_action_steps)
-
-    _FORWARD_METHODS = ("bc_loss", "log_prob", "encode", "sample", "plan")
-
-    def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a public method by name, so DDP-wrapped policies go through ``forward``.
-
-        ``ddp_policy("bc_loss", obs, actions)`` / ``ddp_policy("log_prob", chain, obs)``: DDP synchronises
-        gradients only for computations started by a ``forward`` call of the wrapper.
-        """
-        if method not in self._FORWARD_METHODS:
-            raise ValueError(
-                f"policy forward method {method!r} is not allowed; choose one of {self._FORWARD_METHODS}"
-            )
-        return getattr(self, method)(*args, **kwargs)
-
-    # --------------------------------------------------------------------------------------- encoding
-    def encode(self, obs: Obs, *, augment: bool | None = None) -> torch.Tensor:
-        """Observation dict -> cond (B, cond_dim); random-shift augmentation defaults to training mode."""
-        augment = self.training if augment is None else augment
-        if self.encoders_frozen:
-            with torch.no_grad():
-                return self.obs_encoder(obs, augment)
-        return self.obs_encoder(obs, augment)
-
-    def reduce_executed(self, log_prob: torch.Tensor) -> torch.Tensor:
-        """(..., Ta, Da) elementwise log-probs -> (...) mean over the executed Te x Da part."""
-        return log_prob[..., self.exec_slice, :].mean(dim=(-2, -1))
-
-    # ----------------------------------------------------------------------------------------- acting
-    def sample(
-        self,
-        obs: Obs | None = None,
-        *,
-        cond: torch.Tensor | None = None,
-        deterministic: bool = False,
-        return_chain: bool = False,
-        generator: torch.Generator | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> SampleOutput:
-        raise NotImplementedError  # pragma: no cover - implemented by subclasses
-
-    def plan(
-        self,
-        obs: Obs,
-        *,
-        deterministic: bool = False,
-        return_chain: bool = True,
-        generator: torch.Generator | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, SampleOutput]:
-        """One decision: sample a chunk and return its Te executed actions (B, Te, Da) (env units) + sample."""
-        out = self.sample(
-            obs, deterministic=deterministic, return_chain=return_chain, generator=generator, noise=noise
-        )
-        return out.actions[:, self.exec_slice], out
+from diffpolicy.policies.base import Obs, PolicyBase, SampleOutput, normal_log_prob
 
 
 class DiffusionPolicy(PolicyBase):
@@ -366,47 +232,3 @@ class DiffusionPolicy(PolicyBase):
         cond = self.encode(obs)
         x0 = self.action_normalizer.normalize(actions.to(self.device, torch.float32))
         return ddpm_loss(self.denoiser, x0, cond, self.schedule, generator=generator)
-
-
-class ActionQueue:
-    """Receding-horizon executor: replans with ``policy.plan`` every Te steps and hands out one action.
-
-    ``act(obs) -> (B, Da)`` env-unit actions; ``last`` holds the latest :class:`SampleOutput`;
-    ``reset()`` forces a replan at the next call (e.g. after environments reset).
-    """
-
-    def __init__(self, policy: PolicyBase, **plan_kwargs: Any) -> None:
-        self.policy = policy
-        self.plan_kwargs = plan_kwargs
-        self.last: SampleOutput | None = None
-        self._actions: torch.Tensor | None = None  # (B, Te, Da)
-        self._next = 0
-
-    def reset(self) -> None:
-        self._actions, self._next = None, 0
-
-    @property
-    def needs_plan(self) -> bool:
-        """True when the next ``act`` will sample a new chunk."""
-        return self._actions is None or self._next >= self._actions.shape[1]
-
-    def act(self, obs: Obs) -> torch.Tensor:
-        if self.needs_plan:
-            self._actions, self.last = self.policy.plan(obs, **self.plan_kwargs)
-            self._next = 0
-        action = self._actions[:, self._next]
-        self._next += 1
-        return action
-
-
-def make_policy(
-    cfg: PolicyConfig, obs_spec: Obs, action_dim: int, *, text_backend: str = "minilm"
-) -> PolicyBase:
-    """Build the policy named by ``cfg.kind``: ``diffusion`` -> DiffusionPolicy, ``gaussian`` -> GaussianPolicy."""
-    if cfg.kind == "diffusion":
-        return DiffusionPolicy(cfg, obs_spec, action_dim, text_backend=text_backend)
-    if cfg.kind == "gaussian":
-        from diffpolicy.models.gaussian import GaussianPolicy
-
-        return GaussianPolicy(cfg, obs_spec, action_dim, text_backend=text_backend)
-    raise ValueError(f"policy.kind={cfg.kind!r} is not allowed; choose one of diffusion, gaussian")

@@ -2,7 +2,7 @@
 
 The head maps cond (B, cond_dim) to the mean of a whole (Ta, Da) chunk in normalised units; the std is a
 learned, state-independent parameter per chunk element, floored at ``min_std``. To share the PPO code path
-with :class:`~diffpolicy.policy.DiffusionPolicy`, a sample is exposed as a one-transition "chain" (K' = 1):
+with :class:`~diffpolicy.policies.diffusion.DiffusionPolicy`, a sample is exposed as a one-transition "chain" (K' = 1):
 ``chain[:, 0]`` is zeros (a placeholder) and ``chain[:, 1]`` is the sampled normalised chunk.
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from diffpolicy.config import PolicyConfig
-from diffpolicy.policy import Obs, PolicyBase, SampleOutput, normal_log_prob
+from diffpolicy.policies.base import Obs, PolicyBase, SampleOutput, normal_log_prob
 
 
 class GaussianPolicy(PolicyBase):
