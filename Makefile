@@ -9,7 +9,7 @@ export MUJOCO_GL ?= egl
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup train test test-all bench lint format clean
+.PHONY: setup quick train test test-all bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 setup: $(STAMP)  ## install system packages, torch (CPU build), the project and its dev extras
+
+quick: $(STAMP)  ## the whole pipeline, small (conf/experiment/quick.yaml): about 2 minutes on 2 cores
+	$(PYTHON) -m diffpolicy.train +experiment=quick $(ARGS)
 
 train: $(STAMP)  ## the main job: collect, pre-train, PPO fine-tune, evaluate (ARGS="algo.iterations=2 ...")
 	$(PYTHON) -m diffpolicy.train env=mujoco_pick $(ARGS)
