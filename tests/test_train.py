@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -77,6 +78,8 @@ def test_tiny_run_end_to_end(reference_run: tuple[Path, dict]) -> None:
     rows = read_metrics(run_dir / "metrics.jsonl")
     losses = [r["losses/policy"] for r in rows if "losses/policy" in r]
     assert len(losses) == 3 and all(v is not None for v in losses)
+    agreement = [r["losses/grad_agreement"] for r in rows if "losses/grad_agreement" in r]
+    assert agreement and all(-1.0 <= a <= 1.0 for a in agreement)  # two minibatches per rollout
     assert (run_dir / "summary.json").is_file()
     assert list((run_dir / "tb").glob("events.*"))
     assert checkpoint.load(run_dir / "checkpoints").step == 3
@@ -120,40 +123,124 @@ def test_sigkill_mid_run_then_resume_matches(
         assert got[key] == want[key], key
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        ["algo.advantage=grpo", "algo.group_size=2", "algo.n_steps=6"],
-        ["algo.clip=unconditional", "algo.normalize=self", "algo.logprob_min_std=0.1"],
-        [
-            "algo.reg=kl",
-            "algo.reg_coef=0.1",
-            "algo.denoise_gamma=0.9",
-            "algo.clip_eps_final=0.05",
-            "policy.min_std=0.05",
-        ],  # fmt: skip
-        ["device.precision=bf16", "algo.finetune_encoders=true"],
-        ["algo.reg=bc", "algo.reg_coef=1.0", "algo.lr=1e-3", "algo.target_kl=0"],  # no KL undo of the step
-    ],
-    ids=["grpo", "stabledrl", "kl-reg", "bf16", "bc-reg"],
-)
-def test_options_run_in_process(tmp_path: Path, init_ckpt: Path, options: list[str]) -> None:
-    from diffpolicy.train import main
+def _chain_head(tmp_path: Path, init: Path, *options: str, shift: bool = True, perturb: bool = False):
+    """A chain head on the tiny run, its policy loaded as ``train`` loads it, after one seeded rollout.
+
+    One update epoch over one minibatch (all T x N = 6 decisions), so the update's reported losses are those
+    of the stored batch under the loaded weights, before the step. With ``shift`` the stored log-probs move
+    by fixed noise, so the ratios differ from 1 as they do after a first step (most of them then past the
+    clip range, where PPO's gradient vanishes); with ``perturb`` the denoiser's
+    weights move by fixed noise away from the frozen reference copy the regulariser pulls toward.
+    """
+    from diffpolicy.device import Runtime
+    from diffpolicy.distributed import DistInfo
+    from diffpolicy.rl.heads import make_head
+    from diffpolicy.train import initial_policy
 
     cfg = compose(
-        "train", [*TINY_RUN, *TINY_POLICY, f"policy.init={init_ckpt}", "algo.iterations=2", *options]
+        "train",
+        [*TINY_RUN, *TINY_POLICY, f"policy.init={init}", "algo.update_epochs=1", "algo.minibatch_size=6",
+         *options],
+    )  # fmt: skip
+    rt, info = Runtime.from_config(cfg.device), DistInfo()
+    policy, _ = initial_policy(cfg, rt, info, tmp_path)
+    head = make_head(cfg, rt, info, policy, logger=None)
+    head.begin()
+    head.rollout(seed=1)
+    gen = torch.Generator().manual_seed(0)
+    if shift:
+        logprobs = head.buffer.storage["logprobs"]  # (T, N, K')
+        logprobs.add_(0.1 * torch.randn(logprobs.shape, generator=gen))
+    if perturb:
+        with torch.no_grad():
+            for p in head.policy.denoiser.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    return head
+
+
+def _update(head) -> dict[str, float]:
+    return head.update(seed=2, step=0, iteration=0)
+
+
+def test_grpo_advantages_are_group_normalised(tmp_path: Path, init_ckpt: Path) -> None:
+    """algo.advantage=grpo: G = 2 environments share each reset seed, every decision of an environment's
+    first episode carries (R - mean_group R) / std_group R of that episode's return, and no critic learns."""
+    from diffpolicy.rl.heads import env_seeds
+
+    head = _chain_head(tmp_path, init_ckpt, "algo.advantage=grpo", "algo.group_size=2", "algo.n_steps=6")
+    assert env_seeds(head.cfg, 10) == [10, 10]
+    data = head.buffer.get()
+    valid = data["valid"] > 0.5  # (T, N) decisions of each env's first episode
+    ret = (data["rewards"] * data["valid"]).sum(0)  # (N,) first-episode returns, one group of G = 2
+    assert ret[0] != ret[1]
+    want = (ret - ret.mean()) / ret.std(correction=0)  # (N,): +-1 for a group of two
+    adv, _ = head._last  # (T, N)
+    for n in range(2):
+        assert torch.allclose(adv[valid[:, n], n], want[n].expand(int(valid[:, n].sum())), atol=1e-4)
+    assert torch.all(adv[~valid] == 0)
+    assert _update(head)["losses/value"] == 0.0
+
+
+def test_stabledrl_options_change_the_loss(tmp_path: Path, init_ckpt: Path) -> None:
+    """algo.clip=unconditional, algo.normalize=self and algo.logprob_min_std each change the policy loss of
+    the same stored batch (ratios away from 1); all three together give a finite loss."""
+    base = _update(_chain_head(tmp_path, init_ckpt))["losses/policy"]
+    for option in ("algo.clip=unconditional", "algo.normalize=self", "algo.logprob_min_std=0.1"):
+        loss = _update(_chain_head(tmp_path, init_ckpt, option))["losses/policy"]
+        assert abs(loss - base) > 1e-6, option
+    head = _chain_head(
+        tmp_path, init_ckpt, "algo.clip=unconditional", "algo.normalize=self", "algo.logprob_min_std=0.1"
     )
-    summary = main(cfg, tmp_path)
-    assert summary is not None and summary["env_steps"] > 0
-    rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert all(r["losses/policy"] is not None for r in rows if "losses/policy" in r)
-    if any(o.startswith("algo.reg=") for o in options):  # the policy moved: the regulariser pulls it back
-        assert max(r["losses/regularizer"] for r in rows if "losses/regularizer" in r) > 0
-    agreement = [r["losses/grad_agreement"] for r in rows if "losses/grad_agreement" in r]
-    assert agreement and all(-1.0 <= a <= 1.0 for a in agreement)
-    # the run's sampling settings apply to the loaded policy, whatever the init checkpoint recorded
-    saved = checkpoint.load(tmp_path / "checkpoints").config["policy"]
-    assert saved["min_std"] == cfg.policy.min_std and saved["ft_steps"] == cfg.policy.ft_steps
+    assert head.policy.logprob_min_std == 0.1
+    assert math.isfinite(_update(head)["losses/policy"])
+
+
+@pytest.mark.parametrize("reg", ["kl", "bc"])
+def test_regulariser_pulls_a_moved_policy(tmp_path: Path, init_ckpt: Path, reg: str) -> None:
+    """algo.reg=kl|bc with reg_coef > 0: a frozen reference copy is built, and once the denoiser has moved
+    away from it the regulariser is positive and enters the loss; without algo.reg there is neither."""
+    plain = _chain_head(tmp_path, init_ckpt, perturb=True)
+    assert plain.learner.reference is None and _update(plain)["losses/regularizer"] == 0.0
+    head = _chain_head(tmp_path, init_ckpt, f"algo.reg={reg}", "algo.reg_coef=0.1", perturb=True)
+    assert head.learner.reference is not None
+    assert _update(head)["losses/regularizer"] > 0
+    unmoved = _chain_head(tmp_path, init_ckpt, f"algo.reg={reg}", "algo.reg_coef=0.1")
+    assert _update(unmoved)["losses/regularizer"] == 0.0  # the same weights as the reference: no pull
+
+
+def test_sampling_and_clip_options_reach_the_policy(tmp_path: Path, init_ckpt: Path) -> None:
+    """policy.min_std applies to the loaded policy whatever its checkpoint recorded (and so to the saved
+    config), algo.clip_eps_final sets the last step's clip range, algo.denoise_gamma changes the loss."""
+    head = _chain_head(tmp_path, init_ckpt, "policy.min_std=0.05", "algo.clip_eps_final=0.05")
+    assert checkpoint.load(init_ckpt).config["policy"]["min_std"] != 0.05
+    assert head.policy.cfg.min_std == 0.05 and head.policy.schedule.min_std == 0.05
+    assert head.clip_eps[0].item() == pytest.approx(0.01) and head.clip_eps[-1].item() == pytest.approx(0.05)
+    base = _update(_chain_head(tmp_path, init_ckpt))["losses/policy"]
+    discounted = _update(_chain_head(tmp_path, init_ckpt, "algo.denoise_gamma=0.5"))["losses/policy"]
+    assert abs(discounted - base) > 1e-6
+
+
+def test_bf16_runs_the_denoiser_in_bf16_and_trains_the_encoders(tmp_path: Path, init_ckpt: Path) -> None:
+    """device.precision=bf16: the update's denoiser body runs under bf16 autocast (fp32 by default; its last
+    layer stays fp32 either way);
+    algo.finetune_encoders=true: the encoders' weights change in the update (frozen by default)."""
+    seen: list[torch.dtype] = []  # output dtypes of the denoiser's first convolution in one update
+    for options, dtype, moved in (
+        ((), torch.float32, False),
+        (("device.precision=bf16", "algo.finetune_encoders=true"), torch.bfloat16, True),
+    ):
+        # a full step (ratios 1, no KL undo); perturbed, since the untrained U-Net's FiLM layers start at
+        # zero, so that the condition (and through it the encoders) gets a gradient
+        head = _chain_head(tmp_path, init_ckpt, "algo.target_kl=0", *options, shift=False, perturb=True)
+        seen.clear()
+        conv = next(m for m in head.policy.denoiser.modules() if isinstance(m, torch.nn.Conv1d))
+        hook = conv.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        before = [p.detach().clone() for p in head.policy.obs_encoder.parameters()]
+        losses = _update(head)
+        hook.remove()
+        assert seen and set(seen) == {dtype} and math.isfinite(losses["losses/policy"])
+        after = list(head.policy.obs_encoder.parameters())
+        assert any(not torch.equal(a, b) for a, b in zip(after, before)) == moved, options
 
 
 def test_critic_warmup_trains_only_the_critic(tmp_path: Path, init_ckpt: Path) -> None:
