@@ -9,9 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from diffpolicy.config import EnvConfig
-from diffpolicy.data.dataset import DemoDataset, DemoReader
+from diffpolicy.data.dataset import DemoReader
+from diffpolicy.data.windows import DemoWindows
 from diffpolicy.demos import cached_demos, collect_demos, demos_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,8 +54,8 @@ def test_collect_pick_multimodal_windows(tmp_path):
     ep = reader.episode(0)
     assert ep["instruction"][0].endswith("tray") and len(set(ep["instruction"])) == 1
     assert ep["rgb"][0].std() > 0 and not np.array_equal(ep["rgb"][0], ep["rgb"][-1])  # rendered every step
-    sample = DemoDataset(reader, obs_horizon=1, action_horizon=16)[0]
-    assert sample["obs"]["rgb"].shape == (1, 32, 32, 3) and sample["action"].shape == (16, 7)
+    obs, actions = DemoWindows(out["path"], obs_horizon=1, action_horizon=16).batch(torch.tensor([0]))
+    assert obs["rgb"].shape == (1, 1, 32, 32, 3) and actions.shape == (1, 16, 7)
 
 
 def test_collect_failures_and_gym(tmp_path):

@@ -8,14 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from diffpolicy.data.dataset import (
-    DemoDataset,
-    DemoFormatError,
-    DemoReader,
-    DemoWriter,
-    Normalizer,
-    read_meta,
-)
+from diffpolicy.data.dataset import DemoFormatError, DemoReader, DemoWriter, read_meta
+from diffpolicy.data.windows import DemoWindows
+from diffpolicy.normalizer import MinMaxNormalizer
 
 LENGTHS = (5, 9, 3)
 TEXTS = ("put the red cube in the tray", "move the blue block to the tray", "the green cube goes in the tray")
@@ -71,32 +66,29 @@ def test_reader_crosses_chunk_boundaries(dataset_path):
 
 
 def test_windows_pad_history_and_future(dataset_path):
-    ds = DemoDataset(dataset_path, obs_horizon=2, action_horizon=4)
-    assert len(ds) == sum(LENGTHS)
-    # first step of episode 1 (global 5): history repeats its first obs, no action padding
-    s = ds[5]
-    np.testing.assert_array_equal(s["obs"]["state"].numpy(), _episode(1, 9)["state"][[0, 0]])
-    assert s["action"].shape == (4, 2) and s["action"].dtype == torch.float32
-    np.testing.assert_array_equal(s["action"].numpy(), [[1, 0], [1, 1], [1, 2], [1, 3]])
-    assert not s["action_is_pad"].any()
-    assert s["obs"]["instruction"] == TEXTS[1]
-    # step 7 of 9 of episode 1 (global 12): two real actions then the last one (step 8) repeated
-    s = ds[12]
-    np.testing.assert_array_equal(s["action"].numpy(), [[1, 7], [1, 8], [1, 8], [1, 8]])
-    assert s["action_is_pad"].tolist() == [False, False, True, True]
-    np.testing.assert_array_equal(s["obs"]["rgb"].numpy(), _episode(1, 9)["rgb"][[6, 7]])
-    # never leaks into the next episode: last step of episode 0 (global 4)
-    np.testing.assert_array_equal(ds[4]["action"].numpy(), [[0, 4]] * 4)
+    """Windows of the kept episodes 0 (5 steps) and 2 (3 steps; episode 1 failed): To = 2 observations ending
+    at step t, the first one repeated before the episode's start; Ta = 4 actions from t, the last one
+    repeated past the episode's end, never reaching into the next episode."""
+    ds = DemoWindows(dataset_path, obs_horizon=2, action_horizon=4)
+    assert len(ds) == 5 + 3 and ds.n_episodes == 2 and ds.action_dim == 2
+    assert ds.obs_spec == {"state": [3], "rgb": [4, 4, 3], "instruction": []}
+    ep0, ep2 = _episode(0, 5), _episode(2, 3)
+    obs, actions = ds.batch(torch.tensor([1, 4, 5, 7]))
+    assert actions.shape == (4, 4, 2) and actions.dtype == torch.float32
+    np.testing.assert_array_equal(obs["rgb"][0].numpy(), ep0["rgb"][[0, 1]])  # step 1 of episode 0
+    np.testing.assert_array_equal(actions[0].numpy(), [[0, 1], [0, 2], [0, 3], [0, 4]])
+    np.testing.assert_array_equal(actions[1].numpy(), [[0, 4]] * 4)  # its last step: no leak into episode 1
+    np.testing.assert_array_equal(obs["state"][2].numpy(), ep2["state"][[0, 0]])  # first step of episode 2
+    np.testing.assert_array_equal(actions[2].numpy(), [[2, 0], [2, 1], [2, 2], [2, 2]])
+    np.testing.assert_array_equal(obs["state"][3].numpy(), ep2["state"][[1, 2]])
+    assert obs["instruction"] == [TEXTS[0], TEXTS[0], TEXTS[2], TEXTS[2]]
 
 
-def test_default_action_horizon_and_dataloader(dataset_path):
-    ds = DemoDataset(dataset_path, obs_keys=["state", "instruction"])
-    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=6, shuffle=False)))
-    assert batch["action"].shape == (6, 64, 2)  # Ta = 64 by default
-    assert batch["obs"]["state"].shape == (6, 1, 3)  # To = 1
-    assert len(batch["obs"]["instruction"]) == 6
-    with pytest.raises(ValueError, match="obs_keys"):
-        DemoDataset(dataset_path, obs_keys=["points"])
+def test_windows_serve_the_asked_fields(dataset_path):
+    ds = DemoWindows(dataset_path, obs_horizon=1, action_horizon=6, obs_keys=["state", "instruction"])
+    obs, actions = ds.batch(torch.arange(6))
+    assert set(obs) == {"state", "instruction"} and obs["state"].shape == (6, 1, 3)
+    assert actions.shape == (6, 6, 2) and len(obs["instruction"]) == 6
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
@@ -147,23 +139,19 @@ def _edit_meta(path, **changes):
     (path / "meta.json").write_text(json.dumps(meta))
 
 
-def test_normalizer_fit_apply_save(dataset_path, tmp_path):
-    reader = DemoReader(dataset_path)
-    norm = Normalizer.fit(reader)
-    assert norm.stats["action"] == {"min": [0.0, 0.0], "max": [2.0, 8.0]}
-    state = reader.read("state", 0, reader.num_steps)
-    z = norm.normalize("state", state)
+def test_normalizer_fit_apply_and_state_dict(dataset_path):
+    """The policy's min/max normaliser fitted on the stored states: [-1, 1] over the data, a constant
+    dimension to 0 and back, and its statistics saved with the module's state_dict."""
+    state = torch.from_numpy(DemoReader(dataset_path).read("state", 0, sum(LENGTHS)))  # (17, 3)
+    norm = MinMaxNormalizer(3).fit(state)
+    torch.testing.assert_close(norm.low, torch.tensor([0.0, -8.0, 3.0]))
+    torch.testing.assert_close(norm.high, torch.tensor([4.0, 0.0, 3.0]))
+    z = norm.normalize(state)
     assert z.min() == pytest.approx(-1.0) and z.max() == pytest.approx(1.0)
-    np.testing.assert_allclose(z[:, 2], 0.0)  # constant dimension -> 0
-    np.testing.assert_allclose(norm.unnormalize("state", z), state, atol=1e-6)
-    t = torch.tensor(state)
-    torch.testing.assert_close(norm.normalize("state", t), torch.tensor(z))
-    norm.save(tmp_path / "norm.json")
-    again = Normalizer.load(tmp_path / "norm.json")
-    np.testing.assert_array_equal(
-        again.normalize("action", reader.read("action", 0, 5)),
-        norm.normalize("action", reader.read("action", 0, 5)),
-    )
-    ds = DemoDataset(reader, action_horizon=3, normalizer=norm)
-    assert float(ds[0]["action"].abs().max()) <= 1.0
-    assert float(ds[0]["obs"]["state"].abs().max()) <= 1.0
+    torch.testing.assert_close(z[:, 2], torch.zeros(len(state)))  # constant dimension -> 0
+    torch.testing.assert_close(norm.unnormalize(z), state)
+    again = MinMaxNormalizer(3)
+    again.load_state_dict(norm.state_dict())
+    torch.testing.assert_close(again.normalize(state), z)
+    with pytest.raises(ValueError, match="empty"):
+        MinMaxNormalizer(3).fit(state[:0])

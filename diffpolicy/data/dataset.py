@@ -1,4 +1,4 @@
-"""Demonstrations on disk: a chunked, memory-mappable format, its writer/reader, training windows, normalizer.
+"""Demonstrations on disk: a chunked, memory-mappable format and its writer and reader.
 
 On-disk format (``FORMAT_VERSION`` 1), one directory per dataset::
 
@@ -28,12 +28,11 @@ cumulative), ``episode_lengths``, ``seeds`` and ``success`` (per episode, null w
 
 :class:`DemoWriter` writes into a temporary sibling directory and renames it into place on ``close()``, so
 ``<path>`` either holds a complete dataset or does not exist. :class:`DemoReader` validates ``meta.json``
-(one-line :class:`DemoFormatError` when it is missing or corrupt) and reads steps. :class:`DemoDataset`
-yields training windows: To observations ending at step t (repeating the episode's first observation
-before its start) and the Ta actions from t (repeating the episode's last action past its end).
-:class:`Normalizer` maps ``action`` and ``state`` to [-1, 1] from min/max statistics, saved as JSON.
+(one-line :class:`DemoFormatError` when it is missing or corrupt) and reads steps. Training windows are
+:class:`diffpolicy.data.windows.DemoWindows`; the policy normalises actions and state itself
+(:class:`diffpolicy.normalizer.MinMaxNormalizer`).
 
-This module imports numpy and torch only (no Hydra, no environments).
+This module imports numpy only (no torch, no Hydra, no environments).
 """
 
 from __future__ import annotations
@@ -43,13 +42,11 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
 FORMAT_NAME = "diffpolicy-demos"
 FORMAT_VERSION = 1
@@ -363,162 +360,3 @@ class DemoReader:
         """Field ``name`` chunk by chunk (memory-mapped, read-only), for streaming statistics."""
         for i in range(self.num_chunks):
             yield self._chunk(name, i)
-
-
-class Normalizer:
-    """Per-dimension min/max normalisation to [-1, 1]: ``(x - centre) / half_range``.
-
-    Dimensions whose range is below ``eps`` map to 0 (half range taken as 1). Works on numpy arrays and
-    torch tensors (statistics follow the input's device and dtype); the last axis is the feature axis.
-    """
-
-    def __init__(self, stats: Mapping[str, Mapping[str, Sequence[float]]], eps: float = 1e-6) -> None:
-        self.stats = {
-            k: {"min": list(map(float, v["min"])), "max": list(map(float, v["max"]))}
-            for k, v in stats.items()
-        }
-        self.eps = eps
-        self._centre, self._half = {}, {}
-        for key, s in self.stats.items():
-            lo, hi = np.asarray(s["min"], np.float64), np.asarray(s["max"], np.float64)
-            half = (hi - lo) / 2
-            self._centre[key] = (hi + lo) / 2
-            self._half[key] = np.where(half < eps / 2, 1.0, half)
-
-    @classmethod
-    def fit(cls, reader: DemoReader, keys: Sequence[str] = (ACTION_KEY, "state")) -> Normalizer:
-        """Min/max of ``keys`` (those present) over the whole dataset, streamed chunk by chunk."""
-        stats = {}
-        for key in keys:
-            if key not in reader.fields:
-                continue
-            lo = hi = None
-            for chunk in reader.iter_chunks(key):
-                flat = np.asarray(chunk, dtype=np.float64).reshape(len(chunk), -1)
-                lo = flat.min(0) if lo is None else np.minimum(lo, flat.min(0))
-                hi = flat.max(0) if hi is None else np.maximum(hi, flat.max(0))
-            stats[key] = {"min": lo.tolist(), "max": hi.tolist()}
-        return cls(stats)
-
-    def _params(self, key: str, like: Any) -> tuple[Any, Any]:
-        centre, half = self._centre[key], self._half[key]
-        if isinstance(like, torch.Tensor):
-            return (
-                torch.as_tensor(centre, dtype=like.dtype, device=like.device),
-                torch.as_tensor(half, dtype=like.dtype, device=like.device),
-            )
-        dtype = like.dtype if np.issubdtype(like.dtype, np.floating) else np.float32
-        return centre.astype(dtype), half.astype(dtype)
-
-    def normalize(self, key: str, x: Any) -> Any:
-        """``x`` (..., D) in data units -> (..., D) in [-1, 1] over the fitted data."""
-        centre, half = self._params(key, x)
-        return (x - centre) / half
-
-    def unnormalize(self, key: str, x: Any) -> Any:
-        """Inverse of :meth:`normalize`: (..., D) in [-1, 1] -> data units."""
-        centre, half = self._params(key, x)
-        return x * half + centre
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.stats
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"stats": self.stats, "eps": self.eps}
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> Normalizer:
-        return cls(state["stats"], eps=state.get("eps", 1e-6))
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the statistics as JSON (atomically: temp file, then rename)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.state_dict(), indent=1))
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> Normalizer:
-        try:
-            return cls.from_state_dict(json.loads(Path(path).read_text()))
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"{path} is not a normalizer file: {str(err).splitlines()[0]}") from None
-
-
-class DemoDataset(Dataset):
-    """Training windows over a demonstration dataset, one per step t of every episode.
-
-    A sample is a dict:
-
-    | key | shape | dtype | content |
-    |---|---|---|---|
-    | ``obs`` | dict | | each observation field at steps t-To+1 .. t: (To, ...) tensors; steps before the
-    episode start repeat its first step; ``instruction`` is the string at step t |
-    | ``action`` | (Ta, Da) | float32 | actions t .. t+Ta-1; past the episode end the last action repeats |
-    | ``action_is_pad`` | (Ta,) | bool | True where the action is padding |
-
-    Args:
-        source: dataset directory or an open :class:`DemoReader`.
-        obs_horizon: To, observation history steps.
-        action_horizon: Ta, future actions per window.
-        obs_keys: observation fields to load (default: every field except ``action``).
-        normalizer: if given, ``action`` and ``state`` (whichever it has statistics for) are normalised.
-    """
-
-    def __init__(
-        self,
-        source: str | os.PathLike | DemoReader,
-        obs_horizon: int = 1,
-        action_horizon: int = 64,
-        obs_keys: Sequence[str] | None = None,
-        normalizer: Normalizer | None = None,
-    ) -> None:
-        if obs_horizon < 1 or action_horizon < 1:
-            raise ValueError(
-                f"obs_horizon and action_horizon must be >= 1, got {obs_horizon}, {action_horizon}"
-            )
-        self.reader = source if isinstance(source, DemoReader) else DemoReader(source)
-        self.obs_horizon = obs_horizon
-        self.action_horizon = action_horizon
-        all_obs = [k for k in self.reader.fields if k != ACTION_KEY]
-        self.obs_keys = list(all_obs if obs_keys is None else obs_keys)
-        unknown = [k for k in self.obs_keys if k not in all_obs]
-        if unknown:
-            raise ValueError(f"obs_keys {unknown} not in the dataset's observation fields {all_obs}")
-        self.normalizer = normalizer
-        lengths = np.diff(np.concatenate([[0], self.reader.episode_ends]))
-        self._start = np.repeat(self.reader.episode_starts, lengths)  # (num_steps,) episode start of step t
-        self._end = np.repeat(self.reader.episode_ends, lengths)  # (num_steps,) episode end of step t
-
-    def __len__(self) -> int:
-        return self.reader.num_steps
-
-    def __getitem__(self, t: int) -> dict[str, Any]:
-        if not -len(self) <= t < len(self):
-            raise IndexError(f"window {t} outside [0, {len(self)})")
-        t = int(t) % len(self)
-        start, end = int(self._start[t]), int(self._end[t])
-        obs_steps = np.maximum(np.arange(t - self.obs_horizon + 1, t + 1), start)  # (To,)
-        obs: dict[str, Any] = {}
-        for key in self.obs_keys:
-            if key == INSTRUCTION_KEY:
-                obs[key] = self.reader.instructions[int(self.reader.read(key, t, t + 1)[0])]
-                continue
-            value = self.reader.take(key, obs_steps)  # (To, ...)
-            if self.normalizer is not None and key in self.normalizer:
-                value = self.normalizer.normalize(key, value.astype(np.float32))
-            obs[key] = torch.from_numpy(np.ascontiguousarray(value))
-        stop = min(t + self.action_horizon, end)
-        actions = self.reader.read(ACTION_KEY, t, stop)  # (stop - t, Da)
-        pad = self.action_horizon - len(actions)
-        if pad:
-            actions = np.concatenate([actions, np.repeat(actions[-1:], pad, axis=0)])  # (Ta, Da)
-        actions = actions.astype(np.float32)
-        if self.normalizer is not None and ACTION_KEY in self.normalizer:
-            actions = self.normalizer.normalize(ACTION_KEY, actions)
-        is_pad = np.arange(self.action_horizon) >= stop - t
-        return {
-            "obs": obs,
-            "action": torch.from_numpy(np.ascontiguousarray(actions)),
-            "action_is_pad": torch.from_numpy(is_pad),
-        }

@@ -14,10 +14,10 @@ from diffpolicy.data.dataset import DemoReader
 class DemoWindows:
     """Every training window of a demonstration dataset, held in memory and gathered by index.
 
-    Window t (one per stored step) has the same meaning as in :class:`diffpolicy.data.dataset.DemoDataset`:
-    observations at steps t-To+1 .. t (the episode's first step repeated before its start) and actions
-    t .. t+Ta-1 (its last action repeated past its end). Episodes marked failed (``success`` False) are left
-    out. Raw units: the policy normalises actions and state itself.
+    Window t (one per stored step of a kept episode): observations at steps t-To+1 .. t (the episode's first
+    step repeated before its start; the instruction at step t) and actions t .. t+Ta-1 (its last action
+    repeated past its end), never reaching into a neighbouring episode. Episodes marked failed (``success``
+    False) are left out. Raw units: the policy normalises actions and state itself.
 
     Args:
         path: dataset directory (:class:`~diffpolicy.data.dataset.DemoWriter` format).
