@@ -1,4 +1,5 @@
-"""Data parallelism over processes started by torchrun: process group, rank helpers, DDP, seeding.
+"""Data parallelism over processes started by torchrun: process group, rank helpers, gradient averaging,
+seeding.
 
 ``torchrun --nproc_per_node=N -m diffpolicy.train dist=ddp`` sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`process_group` reads them, picks the backend from
@@ -121,19 +122,6 @@ def process_group(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def wrap(module: torch.nn.Module, info: DistInfo, device: torch.device) -> torch.nn.Module:
-    """DistributedDataParallel around ``module`` when a process group is up, else ``module`` itself."""
-    if not info.enabled or not any(p.requires_grad for p in module.parameters()):
-        return module
-    ids = None if device.type == "cpu" else [device.index]
-    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a DDP wrapper (or the module itself)."""
-    return module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
 
 
 def mean_metrics(metrics: Mapping[str, float], info: DistInfo, device: torch.device) -> dict[str, float]:

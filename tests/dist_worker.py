@@ -1,8 +1,8 @@
 """Worker for tests/test_distributed.py, started by torchrun (not collected by pytest).
 
 Usage: python -m torch.distributed.run --nproc_per_node=2 tests/dist_worker.py OUT_DIR MODE
-MODE ``grad`` writes each rank's DDP-averaged gradient and post-step parameters; MODE ``fail`` makes rank 1
-raise while rank 0 waits in a collective.
+MODE ``grad`` writes each rank's averaged gradient (:func:`diffpolicy.distributed.average_gradients`) and
+post-step parameters; MODE ``fail`` makes rank 1 raise while rank 0 waits in a collective.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 from diffpolicy.config import DistConfig
-from diffpolicy.distributed import mean_metrics, process_group, seed_for_rank, wrap
+from diffpolicy.distributed import (
+    average_gradients,
+    broadcast_parameters,
+    mean_metrics,
+    process_group,
+    seed_for_rank,
+)
 
 
 def model_and_batch() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -34,13 +40,17 @@ def main(out: Path, mode: str) -> None:
             torch.distributed.barrier()  # rank 0 blocks here until torchrun tears the job down
             return
         model, x, y = model_and_batch()
-        torch.manual_seed(seed_for_rank(123, info.rank))  # different per rank; DDP syncs the initial params
-        ddp = wrap(model, info, torch.device("cpu"))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        if info.rank == 1:  # rank 1 starts elsewhere: the broadcast gives every rank rank 0's parameters
+            torch.nn.init.normal_(
+                model[0].weight, generator=torch.Generator().manual_seed(seed_for_rank(123, 1))
+            )
+        broadcast_parameters([model], info)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         half = x.shape[0] // info.world_size
         sl = slice(info.rank * half, (info.rank + 1) * half)
-        loss = torch.nn.functional.mse_loss(ddp(x[sl]), y[sl])
+        loss = torch.nn.functional.mse_loss(model(x[sl]), y[sl])
         loss.backward()
+        average_gradients(list(model.parameters()), info)
         grads = {f"grad.{n}": p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         params = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}

@@ -1,4 +1,5 @@
-"""Two gloo processes on the CPU: DDP gradients equal the single-process gradient; a failing rank ends the job."""
+"""Two gloo processes on the CPU: averaged gradients equal the single-process gradient; a failing rank ends
+the job."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 from diffpolicy.config import DistConfig
-from diffpolicy.distributed import DistInfo, mean_metrics, process_group, seed_for_rank, wrap
+from diffpolicy.distributed import (
+    DistInfo,
+    average_gradients,
+    broadcast_parameters,
+    mean_metrics,
+    process_group,
+    seed_for_rank,
+)
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 pytestmark = pytest.mark.dist
@@ -26,7 +34,7 @@ def _torchrun(out: Path, mode: str, timeout: float = 120) -> subprocess.Complete
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_ddp_gradient_equals_single_process_on_concatenated_batch(tmp_path: Path) -> None:
+def test_averaged_gradient_equals_single_process_on_concatenated_batch(tmp_path: Path) -> None:
     run = _torchrun(tmp_path, "grad")
     assert run.returncode == 0, run.stderr[-2000:]
     r0, r1 = (load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1))
@@ -54,7 +62,11 @@ def test_single_process_helpers_are_identities() -> None:
     with process_group(DistConfig(), "gloo") as info:
         assert info == DistInfo() and info.is_main and not info.enabled
         lin = torch.nn.Linear(2, 2)
-        assert wrap(lin, info, torch.device("cpu")) is lin
+        lin(torch.ones(1, 2)).sum().backward()
+        grads = [p.grad.clone() for p in lin.parameters()]
+        average_gradients(list(lin.parameters()), info)
+        broadcast_parameters([lin], info)
+        assert all(torch.equal(p.grad, g) for p, g in zip(lin.parameters(), grads))
         assert mean_metrics({"a/b": 2.0}, info, torch.device("cpu")) == {"a/b": 2.0}
     assert seed_for_rank(5, 0) == 5 and seed_for_rank(5, 2) == 2005
 

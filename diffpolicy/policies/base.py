@@ -92,20 +92,6 @@ class PolicyBase(nn.Module):
         start = self.n_obs_steps - 1
         return slice(start, start + self.n_action_steps)
 
-    _FORWARD_METHODS = ("bc_loss", "log_prob", "encode", "sample", "plan")
-
-    def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a public method by name, so DDP-wrapped policies go through ``forward``.
-
-        ``ddp_policy("bc_loss", obs, actions)`` / ``ddp_policy("log_prob", chain, obs)``: DDP synchronises
-        gradients only for computations started by a ``forward`` call of the wrapper.
-        """
-        if method not in self._FORWARD_METHODS:
-            raise ValueError(
-                f"policy forward method {method!r} is not allowed; choose one of {self._FORWARD_METHODS}"
-            )
-        return getattr(self, method)(*args, **kwargs)
-
     # --------------------------------------------------------------------------------------- encoding
     def encode(self, obs: Obs, *, augment: bool | None = None) -> torch.Tensor:
         """Observation dict -> cond (B, cond_dim); random-shift augmentation defaults to training mode."""
