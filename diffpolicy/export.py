@@ -460,11 +460,12 @@ def check_residual_parity(
 
 
 def main(cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
-    from diffpolicy.serving.sampler import load_policy
+    from diffpolicy.policy_io import load_policy
 
     out_dir = Path(cfg.out) if cfg.out else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    policy, shapes, ckpt = load_policy(cfg.checkpoint, device="cpu", text_backend=cfg.text_backend)
+    policy, _, ckpt = load_policy(cfg.checkpoint, "cpu", text_backend=cfg.text_backend, deploy=True)
+    shapes = dict(ckpt.extra["obs_spec"])
     residual = policy if getattr(policy, "acts_per_step", False) else None  # base + residual
     base = residual.base if residual is not None else policy
     deterministic = cfg.deterministic or residual is not None  # the residual's base samples with eta = 0

@@ -11,7 +11,8 @@ A policy checkpoint is a :mod:`diffpolicy.checkpoint` directory whose
 
 :func:`load_policy` rebuilds both dataclasses (re-running their validation), the policy with
 :func:`~diffpolicy.policies.make_policy` and its weights with :func:`~diffpolicy.checkpoint.load_state`, which
-checks every key and shape first. Anything that does not fit raises :class:`CheckpointError` in one line.
+checks every key and shape first; ``deploy=True`` (serving and export) reads the policy alone. Anything that
+does not fit raises :class:`CheckpointError` in one line.
 """
 
 from __future__ import annotations
@@ -180,25 +181,33 @@ def load_policy(
     *,
     env_overrides: dict[str, Any] | None = None,
     text_backend: str | None = None,
-) -> tuple[Any, EnvConfig, Checkpoint]:
+    deploy: bool = False,
+) -> tuple[Any, EnvConfig | None, Checkpoint]:
     """Rebuild the policy of a checkpoint (directory or root with ``latest``) on ``device``, in eval mode.
 
     Args:
         path: checkpoint directory, or a root whose ``latest`` pointer names one.
         device: where to put the policy.
         env_overrides: EnvConfig fields to change (e.g. ``{"num_envs": 8}``); validated again.
-        text_backend: instruction embedder (``minilm`` | ``hash``); default: the one the checkpoint was
-            trained with (``extra["text_backend"]``), else ``minilm``.
+        text_backend: instruction embedder (``minilm`` | ``hash``); default (None or ''): the one the
+            checkpoint was trained with (``extra["text_backend"]``), else ``minilm``.
+        deploy: for serving and export, which need the policy only: ``config["env"]`` is not read (None is
+            returned in its place), PolicyConfig fields an older checkpoint lacks take their defaults, and
+            the policy runs eager (``compile`` off: serving and export trace the eager graph).
 
     Returns:
         ``(policy, env_cfg, ckpt)``: the policy with the checkpoint's weights, the environment it was
-        trained on (with the overrides applied) and the loaded checkpoint (other state, metrics, extra).
+        trained on (with the overrides applied; None with ``deploy``) and the loaded checkpoint (other
+        state, metrics, extra).
 
     Raises:
         CheckpointError: missing / corrupt checkpoint, unknown or missing config fields, or weights that do
             not match the rebuilt policy (nothing is modified in that case).
     """
     ckpt = checkpoint.load(path)
+    if deploy:
+        policy_cfg = dataclasses.replace(policy_config_from(ckpt, allow_missing=True), compile=False)
+        return policy_from(ckpt, policy_cfg, device, text_backend=text_backend), None, ckpt
     env_cfg, policy_cfg = configs_from(ckpt)
     if env_overrides:
         unknown = sorted(set(env_overrides) - {f.name for f in dataclasses.fields(EnvConfig)})

@@ -99,10 +99,8 @@ def test_mismatched_config_is_one_line_error(tmp_path, edit, match):
     assert "\n" not in str(exc.value)
 
 
-def test_serving_loader_takes_defaults_for_fields_an_older_checkpoint_lacks(tmp_path):
-    """The serving / export loader shares the rebuild path but needs no env config and fills missing fields."""
-    from diffpolicy.serving.sampler import load_policy as serving_load
-
+def test_deploy_loading_takes_defaults_for_fields_an_older_checkpoint_lacks(tmp_path):
+    """load_policy(deploy=True), for serving and export, needs no env config and fills missing fields."""
     p, cfg = trained()
     path = save_policy(tmp_path / "c", 1, p, env_cfg=ENV, policy_cfg=dataclasses.replace(cfg, compile=True))
 
@@ -113,15 +111,16 @@ def test_serving_loader_takes_defaults_for_fields_an_older_checkpoint_lacks(tmp_
     _edit_meta(path, older)
     with pytest.raises(CheckpointError):
         load_policy(path)  # the training loader wants the whole record
-    q, shapes, _ = serving_load(path, text_backend="hash")
-    assert shapes == SPEC and q.cfg.eta == PolicyConfig().eta and not q.cfg.compile
+    q, env_cfg, ckpt = load_policy(path, text_backend="hash", deploy=True)
+    assert env_cfg is None and ckpt.extra["obs_spec"] == SPEC
+    assert q.cfg.eta == PolicyConfig().eta and not q.cfg.compile
     g = torch.Generator().manual_seed(0)
     a = p.eval().sample(obs(), deterministic=True, generator=g).actions
     b = q.sample(obs(), deterministic=True, generator=torch.Generator().manual_seed(0)).actions
     torch.testing.assert_close(a, b)
     _edit_meta(path, lambda m: m["config"]["policy"].update(new_knob=1))
     with pytest.raises(CheckpointError, match="unknown fields"):
-        serving_load(path, text_backend="hash")
+        load_policy(path, text_backend="hash", deploy=True)
 
 
 def test_corrupt_or_missing_checkpoint(tmp_path):

@@ -302,7 +302,8 @@ def _tiny_checkpoint(root: Path) -> Path:
 def test_policy_sampler_matches_the_policy(tmp_path):
     import torch
 
-    from diffpolicy.serving.sampler import load_policy, sampler_from_checkpoint
+    from diffpolicy.policy_io import load_policy
+    from diffpolicy.serving.sampler import sampler_from_checkpoint
 
     path = _tiny_checkpoint(tmp_path)
     sampler = sampler_from_checkpoint(path, deterministic=True)  # the checkpoint's text backend (hash)
@@ -313,7 +314,7 @@ def test_policy_sampler_matches_the_policy(tmp_path):
         "instruction": ["a"] * 3,
     }
     actions = sampler.act(batch)
-    policy, _, _ = load_policy(path)
+    policy, _, _ = load_policy(path, deploy=True)
     obs = {"state": torch.from_numpy(batch["state"]), "instruction": batch["instruction"]}
     ref = policy.sample(obs, deterministic=True, generator=torch.Generator().manual_seed(0)).actions
     np.testing.assert_allclose(actions, ref.numpy(), atol=1e-6)

@@ -7,7 +7,7 @@ What a checkpoint must hold (written by ``diffpolicy.checkpoint.save``):
 - ``extra["obs_spec"]``: observation key -> per-step shape list (``instruction``: any value);
 - ``extra["action_dim"]``: Da.
 
-The policy is rebuilt by :func:`diffpolicy.policy_io.policy_from` and sampled with
+The policy is rebuilt by :func:`diffpolicy.policy_io.load_policy` (``deploy=True``) and sampled with
 ``DiffusionPolicy.sample(obs, deterministic=..., generator=...)`` whose ``actions`` are (B, Ta, Da) in
 environment units.
 
@@ -27,30 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffpolicy import checkpoint
 from diffpolicy.device import Runtime
-from diffpolicy.policy_io import policy_config_from, policy_from
+from diffpolicy.policy_io import load_policy
 from diffpolicy.serving.wire import ObsSpec, obs_spec_from_shapes
-
-
-def load_policy(
-    path: str | Path, *, device: str | torch.device = "cpu", text_backend: str = ""
-) -> tuple[torch.nn.Module, dict[str, Any], checkpoint.Checkpoint]:
-    """Rebuild the policy of a checkpoint in eval mode on ``device``, for serving and export.
-
-    ``text_backend`` '' takes the checkpoint's ``extra["text_backend"]`` (written by
-    ``diffpolicy.policy_io.save_policy``), else ``minilm``. Unlike ``policy_io.load_policy`` this needs no
-    ``config["env"]`` and accepts configs that lack newer PolicyConfig fields (their defaults apply); the
-    policy runs eager (``compile`` off: serving and export trace the eager graph).
-
-    Returns:
-        (policy, obs_spec shapes from ``extra["obs_spec"]``, the loaded checkpoint).
-    """
-    ckpt = checkpoint.load(path)
-    cfg = policy_config_from(ckpt, allow_missing=True)
-    cfg.compile = False
-    policy = policy_from(ckpt, cfg, device, text_backend=text_backend)
-    return policy, dict(ckpt.extra["obs_spec"]), ckpt
 
 
 class PolicySampler:
@@ -226,7 +205,8 @@ def sampler_from_checkpoint(
     """Load a checkpoint and wrap its policy for the server (a base + residual one per control step;
     ``deterministic`` does not apply to it: its base and head are always deterministic)."""
     device = runtime.device if runtime is not None else torch.device("cpu")
-    policy, shapes, _ = load_policy(path, device=device, text_backend=text_backend)
+    policy, _, ckpt = load_policy(path, device, text_backend=text_backend, deploy=True)
+    shapes = dict(ckpt.extra["obs_spec"])
     if getattr(policy, "acts_per_step", False):
         return ResidualSampler(policy, shapes, runtime=runtime, seed=seed, max_sessions=max_sessions)
     return PolicySampler(policy, shapes, runtime=runtime, deterministic=deterministic, seed=seed)
