@@ -159,9 +159,10 @@ class SamplerGraph(nn.Module):
 
     ``forward(*inputs)`` takes the tensors named by :attr:`input_names` in that order and returns
     actions (B, Ta, Da) in environment units (and, with ``output_cond``, the encoders' cond (B, cond_dim),
-    which a residual head reads). It runs the same computations as ``DiffusionPolicy.sample``:
-    ``encode`` -> ``film_tables`` -> K x (``forward_film`` -> ``ddim_step_mean_std`` [+ std z]) ->
-    ``unnormalize``, with the Python loop over K unrolled by tracing.
+    which a residual head reads). It runs what ``DiffusionPolicy.sample`` runs: ``encode`` ->
+    :func:`~diffpolicy.diffusion.sampler.ddim_sample` (eager denoiser, the frozen base denoiser on the first
+    K - K' steps when the policy has one, x_K and every step's z given as inputs) -> ``unnormalize``, with
+    the sampler's Python loop over K unrolled by tracing.
     """
 
     def __init__(
@@ -212,18 +213,14 @@ class SamplerGraph(nn.Module):
         finally:
             if self.use_text:
                 enc.text, self._text.embedding = original, None
-        from diffpolicy.diffusion.schedule import ddim_step_mean_std
+        from diffpolicy.diffusion.sampler import ddim_sample
 
-        obs_film, step_film = policy.denoiser.film_tables(cond, sched.timesteps)  # (B, R), (K, R)
-        x = named["noise"]  # (B, Ta, Da)
-        for i in range(sched.ddim_steps):  # unrolled: K is static
-            eps = policy.denoiser.forward_film(x, obs_film + step_film[i])
-            mean, std = ddim_step_mean_std(x, eps, sched.step_coefs(i), sched.clip_sample)
-            if i in self.stochastic_steps:
-                x = mean + std * named["step_noise"][:, self.stochastic_steps.index(i)]
-            else:
-                x = mean
-        actions = policy.action_normalizer.unnormalize(x)  # (B, Ta, Da)
+        x0 = ddim_sample(
+            policy.denoiser, sched, cond, policy.horizon, deterministic=self.deterministic,
+            noise=named["noise"], step_noise=named.get("step_noise"), backend="eager",
+            base_denoiser=policy.base_denoiser, noise_clip=policy.noise_clip, inplace=False,
+        ).x0  # (B, Ta, Da), normalised  # fmt: skip
+        actions = policy.action_normalizer.unnormalize(x0)  # (B, Ta, Da)
         return (actions, cond) if self.output_cond else actions
 
 

@@ -109,6 +109,27 @@ def test_deterministic_export_has_no_step_noise_and_dynamic_batch(tmp_path):
     assert out.shape == (3, 8, 3) and np.abs(out - ref).max() <= ATOL
 
 
+def test_frozen_base_denoiser_runs_the_first_steps(tmp_path):
+    """K' < K with a frozen pre-trained base (as fine-tuning leaves it): the graph runs the base on the first
+    K - K' steps, as ``policy.sample`` does, so onnxruntime still matches PyTorch once the fine-tuned
+    denoiser has moved away from the base."""
+    shapes = {"state": [5], "instruction": None}
+    policy = _policy(_tiny_cfg(ddim_steps=4, ft_steps=2), shapes)
+    policy.freeze_base()
+    with torch.no_grad():
+        for p in policy.denoiser.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    assert policy.base_denoiser is not None
+    path = tmp_path / "base.onnx"
+    graph, spec = export_onnx(policy, shapes, path, batch_size=2)
+    assert check_parity(graph, path, spec, seed=6)["max_abs_err"] <= ATOL
+    policy._base = []  # the same weights without the base: the actions differ
+    feed, obs, generator = parity_inputs(graph, spec, seed=6)
+    without = policy.sample(obs, generator=generator).actions.numpy()
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert np.abs(session.run(["actions"], feed)[0] - without).max() > 1e-3
+
+
 def test_eta_zero_base_steps_take_their_mean():
     policy = _policy(_tiny_cfg(eta=0.0, ddim_steps=4, ft_steps=2), {"state": [5]})
     graph = SamplerGraph(policy, {"state": [5]})

@@ -60,11 +60,15 @@ def _initial(
     device: torch.device,
     noise: torch.Tensor | None,
     generator: torch.Generator | None,
+    copy: bool = True,
 ) -> torch.Tensor:
-    x = torch.empty(shape, device=device, dtype=torch.float32)
-    if noise is not None:
-        return x.copy_(noise)
-    return torch.randn(shape, generator=generator, out=x)
+    """x_K (B, Ta, Da) float32: ``noise`` (copied unless ``copy`` is False, so that writing into x in place
+    never changes the caller's tensor), else drawn from ``generator``."""
+    if noise is None:
+        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    if not copy:
+        return noise.float()
+    return torch.empty(shape, device=device, dtype=torch.float32).copy_(noise)
 
 
 def sampler_forward(
@@ -150,17 +154,24 @@ def ddim_sample(
     backend: str = "auto",
     base_denoiser: ConditionalUnet1D | None = None,
     noise_clip: float = 0.0,
+    step_noise: torch.Tensor | None = None,
+    inplace: bool = True,
 ) -> ChainOutput:
     """Run the K DDIM steps from x_K = ``noise`` (or N(0, I)) for cond (B, cond_dim).
 
-    Each step k draws x_{k-1} = mean_k + std_k z (z ~ N(0, I) from ``generator``, clamped to
-    [-``noise_clip``, ``noise_clip``] when that is > 0, DPPO's ``randn_clip_value``) unless ``deterministic``
-    (then x_{k-1} = mean_k) or std_k is 0 (eta = 0 on a base step). The denoiser runs through ``backend``
+    Each step k draws x_{k-1} = mean_k + std_k z (z ~ N(0, I) from ``generator``, or the next (B, Ta, Da)
+    slice of ``step_noise`` (B, S, Ta, Da) when given; clamped to [-``noise_clip``, ``noise_clip``] when that
+    is > 0, DPPO's ``randn_clip_value``) unless ``deterministic`` (then x_{k-1} = mean_k) or std_k is 0
+    (eta = 0 on a base step). The S steps that draw are those with std_k > 0, in sampling order: with
+    ``noise`` and ``step_noise`` as inputs the loop is a pure function of tensors, which
+    :class:`diffpolicy.export.SamplerGraph` traces into an ONNX graph. The denoiser runs through ``backend``
     (``auto`` | ``eager`` | ``fast`` | ``compiled``, see the module docstring) unless ``forward_film`` is
     given, which then replaces ``denoiser.forward_film``. With ``base_denoiser`` (a frozen copy of the
     pre-trained network, DPPO's ``actor``) the first K - K' steps run through it and only the K' fine-tuned
     steps through ``denoiser``, so fine-tuning cannot move the latent x_{K'} the fine-tuned chain starts
-    from. Call under no_grad / inference_mode.
+    from. ``inplace`` (default) writes every step into buffers allocated before the loop; False computes
+    each step out of place (ONNX cannot export in-place writes; the results are the same). Call under
+    no_grad / inference_mode.
     """
     B, Da, K, Kp = cond.shape[0], denoiser.action_dim, schedule.ddim_steps, schedule.ft_steps
     first = schedule.first_ft_step
@@ -170,32 +181,35 @@ def ddim_sample(
     if base_denoiser is not None and first > 0:
         base_obs, base_step = base_denoiser.film_tables(cond, schedule.timesteps[:first])  # (B, R), (K-K', R)
         base = base_obs, base_step, sampler_forward(base_denoiser, cond, horizon, backend, base_obs.shape[1])
-    x = _initial((B, horizon, Da), cond.device, noise, generator)  # (B, Ta, Da)
-    film = torch.empty_like(obs_film)
-    x0_buf, mean_buf = torch.empty_like(x), torch.empty_like(x)
-    z = None if deterministic else torch.empty_like(x)
+    x = _initial((B, horizon, Da), cond.device, noise, generator, copy=inplace)  # (B, Ta, Da)
+    # Buffers every step writes into (None: out of place); z_buf only where z is drawn here.
+    film_buf = torch.empty_like(obs_film) if inplace else None  # (B, R)
+    bufs = (torch.empty_like(x), torch.empty_like(x)) if inplace else None  # x0, mean: (B, Ta, Da)
+    x_buf = x if inplace else None
+    z_buf = torch.empty_like(x) if inplace and not deterministic and step_noise is None else None
     chain = means = None
     if return_chain:
         chain = torch.empty((B, Kp + 1, horizon, Da), device=x.device, dtype=x.dtype)
         means = torch.empty((B, Kp, horizon, Da), device=x.device, dtype=x.dtype)
         if first == 0:
             chain[:, 0].copy_(x)
+    drawn = 0  # stochastic steps so far (the index into step_noise)
     for i in range(K):
-        coefs = schedule.step_coefs(i)
-        if base is not None and i < first:
-            torch.add(base[0], base[1][i], out=film)
-            eps = base[2](x, film)
+        obs_i, step_i, fwd_i = base if base is not None and i < first else (obs_film, step_film, fwd)
+        film = torch.add(obs_i, step_i[i], out=film_buf)  # (B, R)
+        eps = fwd_i(x, film)
+        mean, std = ddim_step_mean_std(x, eps, schedule.step_coefs(i), schedule.clip_sample, out=bufs)
+        if deterministic or std == 0.0:
+            x = mean if x_buf is None else x_buf.copy_(mean)
         else:
-            torch.add(obs_film, step_film[i], out=film)
-            eps = fwd(x, film)
-        mean, std = ddim_step_mean_std(x, eps, coefs, schedule.clip_sample, out=(x0_buf, mean_buf))
-        if z is None or std == 0.0:
-            x.copy_(mean)
-        else:
-            torch.randn(x.shape, generator=generator, out=z)
+            if step_noise is None:
+                z = torch.randn(x.shape, generator=generator, device=x.device, out=z_buf)
+            else:
+                z = step_noise[:, drawn]  # (B, Ta, Da), an input: never written
+            drawn += 1
             if noise_clip > 0:
-                z.clamp_(-noise_clip, noise_clip)
-            torch.add(mean, z, alpha=std, out=x)
+                z = z.clamp(-noise_clip, noise_clip) if z_buf is None else z.clamp_(-noise_clip, noise_clip)
+            x = torch.add(mean, z, alpha=std, out=x_buf)
         if return_chain:
             j = i - first
             if j >= 0:
