@@ -490,8 +490,10 @@ class TrainConfig:
     eval_seed: int = 100_000
     """First seed of the held-out evaluation episodes (disjoint from demonstration seeds)."""
     eval_deterministic: bool = False
-    """Evaluate every step's mean only, rather than the stochastic chain that PPO fine-tunes (the default,
-    so that BC and PPO are judged as the policy that is trained)."""
+    """Evaluate every DDIM step's mean only, rather than the stochastic chain that a chain head fine-tunes
+    (the default, so that BC and PPO are judged as the policy that is trained). A residual head's base always
+    samples deterministically. ``pretrain`` has the same field, evaluated the same way
+    (:func:`diffpolicy.rollout.held_out`), so their success rates compare."""
     cache_dir: str = ""
     """Where demonstrations and the pre-trained checkpoint are cached between runs ('' = $DIFFPOLICY_CACHE,
     else runs/cache)."""
@@ -551,6 +553,9 @@ class PretrainConfig:
     """Held-out episodes evaluated after training (0 skips the evaluation)."""
     eval_seed: int = 100_000
     """First held-out seed (disjoint from demonstration seeds)."""
+    eval_deterministic: bool = False
+    """As ``train``'s: every DDIM step's mean (always so with ``algo.head=residual``, whose base samples that
+    way), else the stochastic chain a chain head fine-tunes."""
 
     def __post_init__(self) -> None:
         self.cache_dir = self.cache_dir or default_cache_dir()

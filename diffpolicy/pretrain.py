@@ -3,7 +3,8 @@
 Reads top to bottom: the demonstrations (``demos=PATH``, or the cached dataset ``<cache_dir>/demos/<key>``,
 collected first when missing) -> :func:`diffpolicy.bc.behaviour_cloning` -> the result published into the
 BC cache that ``diffpolicy.train`` reads -> the training curve ``bc_loss.png`` and, when
-``eval_episodes > 0``, a held-out success rate (deterministic DDIM).
+``eval_episodes > 0``, a held-out success rate measured as ``train`` measures its BC success rate
+(:func:`diffpolicy.rollout.held_out`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from diffpolicy.logger import Logger
 # -------------------------------------------------------------------------------------------- entry point
 def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
     """Behaviour cloning for ``cfg``; returns the summary printed as the last stdout line."""
-    from diffpolicy import rollout
     from diffpolicy.plots import plot_curve
+    from diffpolicy.rollout import held_out
 
     t0 = time.perf_counter()
     runtime = Runtime.from_config(cfg.device)
@@ -46,20 +47,8 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
             summary["cached"] = str(
                 publish(policy, cfg.env, cfg.policy, Path(cfg.cache_dir) / "bc" / key, metrics, demos)
             )
-        eval_episodes = cfg.eval_episodes
-        if eval_episodes > 0:
-            seed = cfg.eval_seed
-            result = rollout.evaluate(
-                policy,
-                cfg.env,
-                n_action_steps=policy.n_action_steps,
-                n_episodes=eval_episodes,
-                seed=seed,
-                num_envs=min(cfg.env.num_envs, eval_episodes),
-                device=runtime.device,
-                deterministic=True,
-                autocast=runtime.autocast,
-            )
+        if cfg.eval_episodes > 0:
+            result = held_out(policy, cfg, runtime)
             logger.log({"eval/success_rate": result.success_rate}, metrics["steps"])
             summary["success_rate"] = result.success_rate
             summary["eval_episodes"] = result.episodes

@@ -22,7 +22,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from diffpolicy.config import EnvConfig
+from diffpolicy.config import EnvConfig, PretrainConfig, TrainConfig
 from diffpolicy.modalities import KEYS, MODALITIES
 
 
@@ -248,7 +248,9 @@ def evaluate(
     """Success rate over ``n_episodes`` held-out episodes; episode i uses seed ``seed + i``.
 
     Episodes run in waves of ``num_envs``; each wave resets its environments with the wave's seeds and runs
-    until every one of them has finished once (what an environment does after that is ignored). A policy
+    until every one of them has finished once (what an environment does after that is ignored). The sampling
+    noise comes from a generator seeded with ``seed``, so the result does not depend on the global RNG: one
+    policy scores the same wherever it is evaluated. A policy
     that acts per control step (``acts_per_step``: base + residual) runs on control-step environments
     through :func:`diffpolicy.policies.residual.evaluate_steps` with its deterministic correction.
     """
@@ -270,6 +272,7 @@ def evaluate(
     venv = make_envs(cfg, n_action_steps, num_envs, seed)
     was_training = policy.training
     policy.eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
     successes: list[bool] = []
     returns: list[float] = []
     env_steps = 0
@@ -282,8 +285,9 @@ def evaluate(
             succ = np.zeros(num_envs, dtype=bool)
             while not done.all():
                 actions, _ = act(
-                    policy, to_policy_obs(obs, device), deterministic=deterministic, autocast=autocast
-                )
+                    policy, to_policy_obs(obs, device), deterministic=deterministic, autocast=autocast,
+                    generator=gen,
+                )  # fmt: skip
                 obs, reward, term, trunc, info = venv.step(actions)
                 active = ~done
                 executed = step_info(info, "executed", num_envs, n_action_steps)
@@ -302,6 +306,26 @@ def evaluate(
         episodes=len(successes),
         env_steps=env_steps,
         successes=successes,
+    )
+
+
+def held_out(policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any) -> EvalResult:
+    """The held-out evaluation that ``train`` (before and after PPO) and ``pretrain`` report, one protocol so
+    that their success rates compare: ``cfg.eval_episodes`` episodes from seed ``cfg.eval_seed``, in waves of
+    min(``env.num_envs``, episodes) environments, on ``runtime``'s device and autocast. A chain policy takes
+    every DDIM step's mean when ``cfg.algo.head`` is residual (the residual's base samples that way: a BC
+    policy is judged as the residual head starts from it) or ``cfg.eval_deterministic``, else samples the
+    stochastic chain; a base + residual policy always runs its deterministic base and mean correction."""
+    return evaluate(
+        policy,
+        cfg.env,
+        n_action_steps=policy.n_action_steps,
+        n_episodes=cfg.eval_episodes,
+        seed=cfg.eval_seed,
+        num_envs=min(cfg.env.num_envs, cfg.eval_episodes),
+        device=runtime.device,
+        deterministic=cfg.algo.head == "residual" or cfg.eval_deterministic,
+        autocast=runtime.autocast,
     )
 
 

@@ -41,7 +41,7 @@ from diffpolicy.logger import Logger
 from diffpolicy.policy_io import load_policy, save_policy
 from diffpolicy.rl.heads import make_head
 from diffpolicy.rl.stability import RollbackGuard
-from diffpolicy.rollout import EvalResult, evaluate, record_video
+from diffpolicy.rollout import EvalResult, held_out, record_video
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -95,21 +95,6 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
     policy.sampler_backend = "compiled" if cfg.policy.compile else "auto"
     policy.set_freeze_encoders(cfg.policy.freeze_encoders or not cfg.algo.finetune_encoders)
     return policy.train(), path
-
-
-def held_out(policy: Any, cfg: TrainConfig, rt: Runtime) -> EvalResult:
-    """Held-out evaluation over ``cfg.eval_episodes`` seeds (the same seeds before and after PPO)."""
-    return evaluate(
-        policy,
-        cfg.env,
-        n_action_steps=policy.n_action_steps,
-        n_episodes=cfg.eval_episodes,
-        seed=cfg.eval_seed,
-        num_envs=cfg.env.num_envs,
-        device=rt.device,
-        deterministic=cfg.eval_deterministic,
-        autocast=rt.autocast,
-    )
 
 
 def truncate_metrics(run_dir: Path, env_steps: int) -> None:

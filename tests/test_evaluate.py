@@ -96,3 +96,28 @@ def test_evaluate_cli(run, tmp_path):
                           f"hydra.run.dir={tmp_path / 'bad'}", "device=cpu"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: no checkpoint")
+
+
+def test_train_and_pretrain_evaluate_bc_alike(run):
+    """One held-out protocol (rollout.held_out): a TrainConfig and a PretrainConfig with the same settings
+    score a policy identically, whatever the global RNG holds; with algo.head=residual (both entry points'
+    default) or eval_deterministic the chain takes its means, otherwise it samples."""
+    from diffpolicy.cli import compose
+    from diffpolicy.device import Runtime
+    from diffpolicy.policy_io import load_policy
+
+    policy, _, _ = load_policy(run / "checkpoints")
+    common = ["env=obstacle_reach", "env.num_envs=2", "eval_episodes=3", "device=cpu"]
+    results = {}
+    for name in ("train", "pretrain"):
+        for algo in ("residual", "ppo"):
+            cfg = compose(name, [*common, f"algo={algo}"])
+            torch.manual_seed(len(results))  # a different global RNG state for every evaluation
+            result = rollout.held_out(policy, cfg, Runtime.from_config(cfg.device))
+            results[name, algo] = (result.successes, result.mean_return, result.env_steps)
+    assert results["train", "residual"] == results["pretrain", "residual"]
+    assert results["train", "ppo"] == results["pretrain", "ppo"]
+    assert results["train", "residual"][1] != results["train", "ppo"][1]  # means vs samples
+    cfg = compose("pretrain", [*common, "algo=ppo", "eval_deterministic=true"])
+    det = rollout.held_out(policy, cfg, Runtime.from_config(cfg.device))
+    assert (det.successes, det.mean_return, det.env_steps) == results["train", "residual"]
