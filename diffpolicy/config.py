@@ -606,6 +606,110 @@ class BenchConfig:
         _positive("threads", self.threads)
 
 
+TEXT_BACKENDS = ("", "minilm", "hash")
+"""Instruction embedders of a deployed policy: '' (the checkpoint's, else minilm) | minilm | hash (tests)."""
+
+
+def _text_backend(value: str) -> None:
+    if value not in TEXT_BACKENDS:
+        raise ValueError(f"text_backend={value!r} is not allowed; choose '', minilm or hash")
+
+
+@dataclass
+class ExportConfig:
+    """``python -m diffpolicy.export``: the whole DDIM sampler of a checkpoint as one ONNX graph."""
+
+    checkpoint: str = ""
+    """Checkpoint directory (or a root holding ``latest``) to export (required)."""
+    out: str = ""
+    """Output directory ('' writes into the run directory)."""
+    batch_size: int = 1
+    """B of the exported graph (static)."""
+    dynamic_batch: bool = False
+    """Mark B as a dynamic axis (engines such as ATC then need it fixed again at compile time)."""
+    deterministic: bool = False
+    """Every DDIM step takes its mean: no ``step_noise`` input (always so for base + residual checkpoints)."""
+    opset: int = 17
+    """ONNX opset version."""
+    check: bool = True
+    """Run the file with onnxruntime and compare it with PyTorch for the same noise."""
+    atol: float = 1e-4
+    """Largest absolute difference of the sampler's parity check."""
+    residual_atol: float = 1e-5
+    """Largest absolute difference of the residual head's parity check (base + residual checkpoints)."""
+    seed: int = 0
+    """Seed of the parity check's observations and noise."""
+    text_backend: str = ""
+    """Instruction embedder: '' (the checkpoint's, else minilm) | minilm (shipped MiniLM) | hash (tests)."""
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint:
+            raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
+        _positive("batch_size", self.batch_size)
+        if not 11 <= self.opset <= 20:
+            raise ValueError(f"opset={self.opset} is out of range; it must lie in [11, 20]")
+        _positive("atol", self.atol)
+        _positive("residual_atol", self.residual_atol)
+        _positive("seed", self.seed, allow_zero=True)
+        _text_backend(self.text_backend)
+
+
+DEFAULT_PORT = 50051
+"""The policy server's TCP port unless ``port=`` says otherwise."""
+
+
+@dataclass
+class ServeConfig:
+    """``python -m diffpolicy.serve``: serve a checkpoint's policy over gRPC."""
+
+    checkpoint: str = ""
+    """Checkpoint directory (or a root holding ``latest``) to serve (required)."""
+    host: str = "127.0.0.1"
+    """Interface to bind: 127.0.0.1 (this machine only) | 0.0.0.0 (every interface)."""
+    port: int = DEFAULT_PORT
+    """TCP port (0 picks a free one, reported in the ready line and endpoint.json)."""
+    max_batch: int = 16
+    """Most concurrent requests answered by one batched policy call."""
+    max_wait_ms: float = 10.0
+    """Longest a request waits for others to join its batch (ms); a lone client never waits."""
+    workers: int = 64
+    """gRPC handler threads = requests in flight at most (more get RESOURCE_EXHAUSTED)."""
+    warmup_rounds: int = 2
+    """Extra warm-up calls at batch 1 and max_batch."""
+    warmup_sizes: str = "all"
+    """all (every batch size 1..max_batch; NPU / GPU compile new shapes) | ends (1 and max_batch)."""
+    request_timeout_s: float = 30.0
+    """Longest one request waits for its action chunk (s)."""
+    grace_s: float = 10.0
+    """On SIGTERM / SIGINT, time given to requests in flight before the server exits (s)."""
+    deterministic: bool = False
+    """Take every DDIM step's mean instead of sampling (base + residual: always)."""
+    seed: int = 0
+    """Seed of the sampling generator."""
+    max_sessions: int = 4096
+    """Base + residual: sessions whose chunk is kept at most (the least recently served is forgotten)."""
+    text_backend: str = ""
+    """Instruction embedder: '' (the checkpoint's, else minilm) | minilm (shipped MiniLM) | hash (tests)."""
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint:
+            raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} is out of range; it must lie in [0, 65535] (0 = any free)")
+        for name in ("max_batch", "workers", "request_timeout_s", "max_sessions"):
+            _positive(name, getattr(self, name))
+        for name in ("max_wait_ms", "warmup_rounds", "grace_s", "seed"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        if self.workers < self.max_batch:
+            raise ValueError(
+                f"workers={self.workers} must be >= max_batch={self.max_batch} to ever fill a batch"
+            )
+        _choice("warmup_sizes", self.warmup_sizes, ("all", "ends"))
+        _text_backend(self.text_backend)
+
+
 GROUPS: dict[str, type] = {
     "env": EnvConfig,
     "policy": PolicyConfig,
@@ -621,6 +725,8 @@ PRIMARY: dict[str, type] = {
     "pretrain": PretrainConfig,
     "evaluate": EvaluateConfig,
     "bench": BenchConfig,
+    "export": ExportConfig,
+    "serve": ServeConfig,
 }
 """Primary config per entry point (``conf/<name>.yaml``) and its dataclass."""
 

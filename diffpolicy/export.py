@@ -85,7 +85,6 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,52 +92,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from diffpolicy.config import DeviceConfig
+from diffpolicy.config import ExportConfig
 
 TEXT_INPUT = "instruction_embedding"
 """Graph input carrying the frozen MiniLM embedding (B, 384) of the instruction."""
-
-
-@dataclass
-class ExportConfig:
-    """``python -m diffpolicy.export``: the whole DDIM sampler of a checkpoint as one ONNX graph."""
-
-    checkpoint: str = ""
-    """Checkpoint directory (or a root holding ``latest``) to export (required)."""
-    out: str = ""
-    """Output directory ('' writes into the run directory)."""
-    batch_size: int = 1
-    """B of the exported graph (static)."""
-    dynamic_batch: bool = False
-    """Mark B as a dynamic axis (engines such as ATC then need it fixed again at compile time)."""
-    deterministic: bool = False
-    """Every DDIM step takes its mean: no ``step_noise`` input (always so for base + residual checkpoints)."""
-    opset: int = 17
-    """ONNX opset version."""
-    check: bool = True
-    """Run the file with onnxruntime and compare it with PyTorch for the same noise."""
-    atol: float = 1e-4
-    """Largest absolute difference of the sampler's parity check."""
-    residual_atol: float = 1e-5
-    """Largest absolute difference of the residual head's parity check (base + residual checkpoints)."""
-    seed: int = 0
-    """Seed of the parity check's observations and noise."""
-    text_backend: str = ""
-    """Instruction embedder: '' (the checkpoint's, else minilm) | minilm (shipped MiniLM) | hash (tests)."""
-    device: DeviceConfig = field(default_factory=DeviceConfig)
-
-    def __post_init__(self) -> None:
-        if not self.checkpoint:
-            raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
-        if self.batch_size <= 0:
-            raise ValueError(f"batch_size={self.batch_size} is out of range; it must be > 0")
-        if not 11 <= self.opset <= 20:
-            raise ValueError(f"opset={self.opset} is out of range; it must lie in [11, 20]")
-        for name in ("atol", "residual_atol"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} is out of range; it must be > 0")
-        if self.text_backend not in ("", "minilm", "hash"):
-            raise ValueError(f"text_backend={self.text_backend!r} is not allowed; choose '', minilm or hash")
 
 
 # ----------------------------------------------------------------------------------------- the graph
@@ -556,15 +513,7 @@ def _require(parity: dict[str, float], atol: float, path: Path) -> None:
         )
 
 
-def register() -> None:
-    """Register ``export_schema`` in Hydra's ConfigStore (conf/export.yaml builds on it)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="export_schema", node=ExportConfig)
-
-
 if __name__ == "__main__":
     from diffpolicy.cli import launch
 
-    register()
     launch("export", main)

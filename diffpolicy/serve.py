@@ -25,68 +25,10 @@ import json
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffpolicy.config import DeviceConfig
-
-DEFAULT_PORT = 50051
-
-
-@dataclass
-class ServeConfig:
-    """``python -m diffpolicy.serve``: serve a checkpoint's policy over gRPC."""
-
-    checkpoint: str = ""
-    """Checkpoint directory (or a root holding ``latest``) to serve (required)."""
-    host: str = "127.0.0.1"
-    """Interface to bind: 127.0.0.1 (this machine only) | 0.0.0.0 (every interface)."""
-    port: int = DEFAULT_PORT
-    """TCP port (0 picks a free one, reported in the ready line and endpoint.json)."""
-    max_batch: int = 16
-    """Most concurrent requests answered by one batched policy call."""
-    max_wait_ms: float = 10.0
-    """Longest a request waits for others to join its batch (ms); a lone client never waits."""
-    workers: int = 64
-    """gRPC handler threads = requests in flight at most (more get RESOURCE_EXHAUSTED)."""
-    warmup_rounds: int = 2
-    """Extra warm-up calls at batch 1 and max_batch."""
-    warmup_sizes: str = "all"
-    """all (every batch size 1..max_batch; NPU / GPU compile new shapes) | ends (1 and max_batch)."""
-    request_timeout_s: float = 30.0
-    """Longest one request waits for its action chunk (s)."""
-    grace_s: float = 10.0
-    """On SIGTERM / SIGINT, time given to requests in flight before the server exits (s)."""
-    deterministic: bool = False
-    """Take every DDIM step's mean instead of sampling (base + residual: always)."""
-    seed: int = 0
-    """Seed of the sampling generator."""
-    max_sessions: int = 4096
-    """Base + residual: sessions whose chunk is kept at most (the least recently served is forgotten)."""
-    text_backend: str = ""
-    """Instruction embedder: '' (the checkpoint's, else minilm) | minilm (shipped MiniLM) | hash (tests)."""
-    device: DeviceConfig = field(default_factory=DeviceConfig)
-
-    def __post_init__(self) -> None:
-        if not self.checkpoint:
-            raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port={self.port} is out of range; it must lie in [0, 65535] (0 = any free)")
-        for name in ("max_batch", "workers", "request_timeout_s", "max_sessions"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} is out of range; it must be > 0")
-        for name in ("max_wait_ms", "warmup_rounds", "grace_s", "seed"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} is out of range; it must be >= 0")
-        if self.workers < self.max_batch:
-            raise ValueError(
-                f"workers={self.workers} must be >= max_batch={self.max_batch} to ever fill a batch"
-            )
-        if self.warmup_sizes not in ("all", "ends"):
-            raise ValueError(f"warmup_sizes={self.warmup_sizes!r} is not allowed; choose one of all, ends")
-        if self.text_backend not in ("", "minilm", "hash"):
-            raise ValueError(f"text_backend={self.text_backend!r} is not allowed; choose '', minilm or hash")
+from diffpolicy.config import ServeConfig
 
 
 def main(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
@@ -149,15 +91,7 @@ def main(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def register() -> None:
-    """Register ``serve_schema`` in Hydra's ConfigStore (conf/serve.yaml builds on it)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="serve_schema", node=ServeConfig)
-
-
 if __name__ == "__main__":
     from diffpolicy.cli import launch
 
-    register()
     launch("serve", main)

@@ -9,9 +9,12 @@ import pytest
 from diffpolicy import config as C
 from diffpolicy.cli import CONF_DIR
 
+NEED_CHECKPOINT = ("evaluate", "export", "serve")
+"""Entry points whose config requires ``checkpoint=PATH``."""
+
 
 def test_defaults_are_valid() -> None:
-    for cls in (*C.GROUPS.values(), *(c for n, c in C.PRIMARY.items() if n != "evaluate")):
+    for cls in (*C.GROUPS.values(), *(c for n, c in C.PRIMARY.items() if n not in NEED_CHECKPOINT)):
         cls()  # __post_init__ accepts its own defaults
 
 
@@ -33,6 +36,14 @@ def test_train_composes_typed(compose) -> None:
 @pytest.mark.parametrize("name", ["train", "pretrain", "collect", "bench"])
 def test_primary_configs_compose(name: str, compose) -> None:
     assert isinstance(compose(name), C.PRIMARY[name])
+
+
+@pytest.mark.parametrize("name", NEED_CHECKPOINT)
+def test_checkpoint_entry_points_compose_and_require_one(name: str, compose) -> None:
+    """evaluate, export and serve are typed configs of config.py too, validated when composed."""
+    assert isinstance(compose(name, ["checkpoint=somewhere"]), C.PRIMARY[name])
+    with pytest.raises(ValueError, match="checkpoint is required"):
+        compose(name)
 
 
 @pytest.mark.parametrize(

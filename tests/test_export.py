@@ -17,9 +17,8 @@ ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from diffpolicy import checkpoint  # noqa: E402
-from diffpolicy.config import EncoderConfig, PolicyConfig  # noqa: E402
+from diffpolicy.config import EncoderConfig, ExportConfig, PolicyConfig  # noqa: E402
 from diffpolicy.export import (  # noqa: E402
-    ExportConfig,
     SamplerGraph,
     check_parity,
     export_onnx,

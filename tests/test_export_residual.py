@@ -18,7 +18,8 @@ ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from diffpolicy.cli import compose  # noqa: E402
-from diffpolicy.export import ExportConfig, ResidualGraph, main  # noqa: E402
+from diffpolicy.config import ExportConfig  # noqa: E402
+from diffpolicy.export import ResidualGraph, main  # noqa: E402
 from diffpolicy.policies.residual import StepActor  # noqa: E402
 from diffpolicy.policy_io import build_policy, env_spec, load_policy  # noqa: E402
 
