@@ -50,7 +50,7 @@ def test_collect_pick_multimodal_windows(tmp_path):
     assert out["n_kept"] >= 1
     reader = DemoReader(out["path"])
     assert reader.fields["rgb"] == {"dtype": "u1", "shape": [32, 32, 3]}
-    assert reader.fields["points"]["shape"] == [64, 3] and reader.fields["state"]["shape"] == [13]
+    assert reader.fields["points"]["shape"] == [64, 6] and reader.fields["state"]["shape"] == [10]
     ep = reader.episode(0)
     assert ep["instruction"][0].endswith("tray") and len(set(ep["instruction"])) == 1
     assert ep["rgb"][0].std() > 0 and not np.array_equal(ep["rgb"][0], ep["rgb"][-1])  # rendered every step

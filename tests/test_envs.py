@@ -90,8 +90,12 @@ def test_reset_and_step_shapes_dtypes_finite(env_id, kwargs):
 def test_pick_observation_layout():
     env = _make("MujocoPick-v0", image_size=32, n_points=100)
     obs, info = env.reset(seed=1)
-    assert obs["rgb"].shape == (32, 32, 3) and obs["points"].shape == (100, 3)
-    assert obs["state"].shape == (13,)
+    assert obs["rgb"].shape == (32, 32, 3) and obs["points"].shape == (100, 6)
+    assert obs["state"].shape == (10,)
+    np.testing.assert_allclose(
+        obs["state"][7:10], env.unwrapped.data.site_xpos[env.unwrapped.grip_site], atol=1e-6
+    )
+    assert 0.0 <= obs["points"][:, 3:].min() and obs["points"][:, 3:].max() <= 1.0
     assert COLORS[info["target_id"]] in obs["instruction"] and info["target_color"] in obs["instruction"]
     state = _make("MujocoPick-v0", obs_mode="state")
     s_obs, s_info = state.reset(seed=1)
@@ -108,10 +112,12 @@ def test_points_are_in_the_base_frame():
     obs, _ = env.reset(seed=3)
     u = env.unwrapped
     for i in range(3):
-        dist = np.linalg.norm(obs["points"] - u.cube_pos(i), axis=1)
+        dist = np.linalg.norm(obs["points"][:, :3] - u.cube_pos(i), axis=1)
         near = dist < 0.04
         assert near.sum() >= 5, COLORS[i]
         assert dist[near].max() <= np.sqrt(3) * 0.02 + 0.005  # on the cube, within a half diagonal
+        # and coloured like it: the cube's own channel is the brightest of its points' colour
+        assert (obs["points"][near, 3:].argmax(axis=1) == i).mean() > 0.8, COLORS[i]
 
 
 @pytest.mark.parametrize("env_id,kwargs", CONFIGS, ids=CONFIG_IDS)

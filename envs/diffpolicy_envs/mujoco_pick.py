@@ -39,18 +39,24 @@ Observation, a ``Dict`` space. With ``obs_mode="multimodal"`` (default):
 | key | shape | dtype | content |
 |---|---|---|---|
 | ``rgb`` | (H, W, 3) | uint8 | image of the ``front`` camera, H = W = ``image_size`` (default 84) |
-| ``points`` | (N, 3) | float32 | point cloud in the base frame (m), N = ``n_points`` (default 512) |
+| ``points`` | (N, 6) | float32 | coloured point cloud: x, y, z in the base frame (m), then r, g, b in [0, 1]; N = ``n_points`` (default 512) |
 | ``instruction`` | - | str | e.g. "put the red cube in the tray" (``Text`` space, lowercase letters and spaces) |
-| ``state`` | (13,) | float32 | joint positions (6, rad), joint velocities (6, rad/s), gripper opening (1, m) |
+| ``state`` | (10,) | float32 | proprioception: joint positions (6, rad), gripper opening (1, m), gripper tool point (3, m, base frame) |
 
 ``points`` is computed from the depth image of the same camera and its pinhole intrinsics
-(:func:`depth_to_points`: every pixel closer than ``DEPTH_TRUNC`` back-projected, in numpy), cropped to the
-workspace box ``POINT_BOX_LOW`` .. ``POINT_BOX_HIGH`` (which removes the table plane and background), then down-sampled to exactly N points by random choice
-without replacement (the env's seeded generator), or padded by repeating points when fewer than N remain
-(an empty crop gives N copies of the box centre).
+(:func:`depth_to_points`: every pixel closer than ``DEPTH_TRUNC`` back-projected, in numpy), each point
+carrying the colour of the RGB pixel it came from (colour is what tells the red cube from the blue one). The
+cloud is cropped to the workspace box ``POINT_BOX_LOW`` .. ``POINT_BOX_HIGH`` (which removes the table plane
+and background), voxelised (:func:`voxel_downsample`: one point per occupied ``point_voxel`` cube, default
+1 cm, at the mean position and colour of the points in it), then brought to exactly N points by random
+choice without replacement (the env's seeded generator), or padded by repeating points when fewer than N
+remain (an empty crop gives N copies of the box centre, coloured black). No object position is in ``state``:
+where the cubes and the tray are is read from ``points`` and ``rgb``. Nor are the joint velocities: they reveal
+the last action, and policies cloned with them copied the motion in progress instead of locating the cube
+(the copycat problem of imitation from proprioceptive history; docs/experiments.md).
 
-With ``obs_mode="state"`` (fast, privileged) the Dict holds ``state`` alone, shape (34,): the 13 values
-above, then the one-hot of the target cube (3, order red/green/blue), the target cube's position (3, m), the
+With ``obs_mode="state"`` (fast, privileged) the Dict holds ``state`` alone, shape (34,): joint positions (6),
+joint velocities (6), gripper opening (1), then the one-hot of the target cube (3, order red/green/blue), the target cube's position (3, m), the
 three cube positions (9, m, same order), the tray centre (3, m) and the gripper tool point (3, m). The
 target's position is given on its own (goal-conditioned state, as in robosuite's or ManiSkill's state
 observations): with only the one-hot and the three positions, policies cloned from 100 demonstrations
@@ -202,7 +208,7 @@ def pose_action(
 
 
 ARM_JOINTS = ("j1", "j2", "j3", "j4", "j5", "j6")
-STATE_DIM = {"multimodal": 13, "state": 34}
+STATE_DIM = {"multimodal": 10, "state": 34}
 
 
 _TOOL_SPAN = TOOL_HIGH - TOOL_LOW
@@ -242,6 +248,26 @@ def depth_to_points(
     return cam @ base_from_cam[:3, :3].T + base_from_cam[:3, 3]
 
 
+def voxel_downsample(points: np.ndarray, voxel: float) -> np.ndarray:
+    """One point per occupied voxel: the mean of the rows that fall into each ``voxel``-sided cube.
+
+    Args:
+        points: (M, C) array whose first 3 columns are x, y, z (m); the others (e.g. colour) are averaged too.
+        voxel: edge of the voxel grid's cubes (m), anchored at the origin.
+
+    Returns:
+        (V, C) float64, V <= M the number of occupied voxels, sorted by voxel index (x, then y, then z): the
+        same set of voxels in the same order whatever the order of the input rows.
+    """
+    if len(points) == 0:
+        return np.zeros((0, points.shape[1]))
+    cells = np.floor(points[:, :3] / voxel).astype(np.int64)  # (M, 3)
+    keys, inverse, counts = np.unique(cells, axis=0, return_inverse=True, return_counts=True)
+    sums = np.zeros((len(keys), points.shape[1]))
+    np.add.at(sums, inverse.reshape(-1), points)
+    return sums / counts[:, None]
+
+
 def _asset_path(name: str) -> str:
     return str(resources.files("diffpolicy_envs") / "assets" / name)
 
@@ -253,6 +279,7 @@ class MujocoPickEnv(gym.Env):
         obs_mode: "multimodal" (rgb, points, instruction, state) or "state" (privileged state vector only).
         image_size: height and width (pixels) of ``rgb`` and of the depth image behind ``points``.
         n_points: number of points N in ``points``.
+        point_voxel: edge (m) of the voxels ``points`` is down-sampled on (one point per occupied voxel).
         render_mode: None or "rgb_array" (``render()`` returns a ``render_size`` square image, uint8).
         render_size: side (pixels) of the ``render()`` image.
         obs_every: render ``rgb``/``points`` on every k-th step only, repeating them in between.
@@ -269,6 +296,7 @@ class MujocoPickEnv(gym.Env):
         obs_mode: str = "multimodal",
         image_size: int = 84,
         n_points: int = 512,
+        point_voxel: float = 0.01,
         render_mode: str | None = None,
         render_size: int = 256,
         obs_every: int = 1,
@@ -282,6 +310,8 @@ class MujocoPickEnv(gym.Env):
             raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
         if int(n_points) != n_points or n_points < 1:
             raise ValueError(f"n_points must be a positive integer, got {n_points!r}")
+        if not point_voxel > 0:
+            raise ValueError(f"point_voxel must be a positive length in m, got {point_voxel!r}")
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"render_mode must be None or 'rgb_array', got {render_mode!r}")
         if int(render_size) != render_size or render_size < 1:
@@ -301,6 +331,7 @@ class MujocoPickEnv(gym.Env):
         self.obs_mode = obs_mode
         self.image_size = int(image_size)
         self.n_points = int(n_points)
+        self.point_voxel = float(point_voxel)
         self.render_mode = render_mode
         self.render_size = int(render_size)
         self.obs_every = int(obs_every)
@@ -346,9 +377,9 @@ class MujocoPickEnv(gym.Env):
         if obs_mode == "multimodal":
             h = w = self.image_size
             obs_spaces["rgb"] = spaces.Box(0, 255, (h, w, 3), np.uint8)
-            low = np.broadcast_to(POINT_BOX_LOW.astype(np.float32), (self.n_points, 3))
-            high = np.broadcast_to(POINT_BOX_HIGH.astype(np.float32), (self.n_points, 3))
-            obs_spaces["points"] = spaces.Box(low, high, (self.n_points, 3), np.float32)
+            low = np.broadcast_to(np.r_[POINT_BOX_LOW, 0, 0, 0].astype(np.float32), (self.n_points, 6))
+            high = np.broadcast_to(np.r_[POINT_BOX_HIGH, 1, 1, 1].astype(np.float32), (self.n_points, 6))
+            obs_spaces["points"] = spaces.Box(low, high, (self.n_points, 6), np.float32)
             obs_spaces["instruction"] = spaces.Text(max_length=64, min_length=1, charset=CHARSET)
         self.observation_space = spaces.Dict(obs_spaces)
         self.action_space = spaces.Box(-1.0, 1.0, (7,), np.float32)
@@ -372,9 +403,7 @@ class MujocoPickEnv(gym.Env):
         self._video_renderer: mujoco.Renderer | None = None
         self._rgb = np.zeros((self.image_size, self.image_size, 3), np.uint8)
         self._depth = np.zeros((self.image_size, self.image_size), np.float32)
-        self._points = np.zeros((self.n_points, 3), np.float32)
-        self._intrinsic = None
-        self._extrinsic = np.eye(4)
+        self._points = np.zeros((self.n_points, 6), np.float32)
 
     # ------------------------------------------------------------------------------------------ gym API
     def reset(
@@ -608,13 +637,16 @@ class MujocoPickEnv(gym.Env):
         return bool(inside and resting and released)
 
     def _state(self) -> np.ndarray:
-        """The ``state`` observation (13,) or (34,) float32, filled slice by slice into one new array."""
+        """The ``state`` observation (10,) or (34,) float32, filled slice by slice into one new array."""
         d = self.data
         out = np.empty(STATE_DIM[self.obs_mode], np.float32)
         out[0:6] = d.qpos[self._arm_q]
-        out[6:12] = d.qvel[self._arm_v]
-        out[12] = d.qpos[self.finger_qpos_adr].sum()
-        if self.obs_mode == "state":
+        if self.obs_mode == "multimodal":
+            out[6] = d.qpos[self.finger_qpos_adr].sum()
+            out[7:10] = d.site_xpos[self.grip_site]
+        else:
+            out[6:12] = d.qvel[self._arm_v]
+            out[12] = d.qpos[self.finger_qpos_adr].sum()
             out[13:16] = _ONE_HOT[self.target_id]
             out[16:19] = d.xpos[self.cube_bodies[self.target_id]]
             out[19:28] = d.xpos[self._cube_x].ravel()
@@ -658,12 +690,15 @@ class MujocoPickEnv(gym.Env):
         r.enable_depth_rendering()
         r.render(out=self._depth)
         r.disable_depth_rendering()
-        pts = depth_to_points(self._depth, self._ray_x, self._ray_y, self._base_from_cam, DEPTH_TRUNC)
-        keep = np.all((pts >= POINT_BOX_LOW) & (pts <= POINT_BOX_HIGH), axis=1)
-        pts = pts[keep]
+        xyz = depth_to_points(self._depth, self._ray_x, self._ray_y, self._base_from_cam, DEPTH_TRUNC)
+        valid = (self._depth > 0) & (self._depth <= DEPTH_TRUNC)  # the pixels behind xyz, row-major
+        rgb = self._rgb[valid] / 255.0  # (M, 3) each point's pixel colour
+        keep = np.all((xyz >= POINT_BOX_LOW) & (xyz <= POINT_BOX_HIGH), axis=1)
+        pts = voxel_downsample(np.concatenate([xyz[keep], rgb[keep]], axis=1), self.point_voxel)  # (V, 6)
         n, count = self.n_points, len(pts)
         if count == 0:
-            self._points[:] = 0.5 * (POINT_BOX_LOW + POINT_BOX_HIGH)
+            self._points[:, :3] = 0.5 * (POINT_BOX_LOW + POINT_BOX_HIGH)
+            self._points[:, 3:] = 0.0
         elif count >= n:
             self._points[:] = pts[self.np_random.choice(count, n, replace=False)]
         else:
