@@ -99,23 +99,23 @@ class EncoderConfig:
     use_rgb: bool = True
     """Encode the RGB image (ignored when the environment has no ``rgb``)."""
     use_points: bool = True
-    """Encode the voxelised point cloud (ignored when the environment has no ``points``)."""
+    """Encode the coloured, voxelised point cloud (ignored when the environment has no ``points``)."""
     use_text: bool = True
     """Encode the instruction with the frozen MiniLM (ignored when the environment has no ``instruction``)."""
-    rgb_channels: list[int] = field(default_factory=lambda: [32, 64, 128])
+    rgb_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
     """Channels of the ResNet-style RGB stages."""
     rgb_keypoints: int = 32
     """Spatial-softmax keypoints of the RGB encoder."""
     random_shift: int = 4
     """Pixels of random-shift augmentation during training (0 disables)."""
-    voxel_grid: int = 16
-    """Side G of the G^3 occupancy grid."""
+    point_channels: list[int] = field(default_factory=lambda: [32, 64, 128])
+    """Widths of the shared per-point MLP (DP3-style), max-pooled over the points."""
+    point_keypoints: int = 16
+    """Point keypoints: softmax-weighted mean positions over the points (0 disables)."""
     workspace_low: list[float] = field(default_factory=lambda: [-0.1, -0.45, -0.05])
-    """Lower corner of the voxelised workspace box in the robot base frame (m)."""
+    """Lower corner of the workspace box (robot base frame, m) that point positions are scaled from."""
     workspace_high: list[float] = field(default_factory=lambda: [0.8, 0.45, 0.6])
-    """Upper corner of the voxelised workspace box in the robot base frame (m)."""
-    voxel_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
-    """Channels of the 3-D convolutional stages."""
+    """Upper corner of the workspace box (robot base frame, m) that point positions are scaled from."""
     token_dim: int = 128
     """Width of the per-modality tokens mixed by cross-modal attention."""
     fusion_heads: int = 4
@@ -125,15 +125,18 @@ class EncoderConfig:
     state_hidden: int = 128
     """Hidden width of the proprioception MLP."""
     text_film: bool = True
-    """The instruction FiLM-modulates the RGB encoder's features (language-conditioned vision), so the
-    keypoints can follow the object it names; without it the text only attends to the fused tokens."""
+    """The instruction FiLM-modulates the RGB encoder's and the point encoder's features (language-conditioned
+    perception), so their keypoints can follow the object it names; without it the text only attends to the
+    fused tokens."""
 
     def __post_init__(self) -> None:
         if len(self.rgb_channels) == 0:
             raise ValueError("policy.encoder.rgb_channels is empty; give at least one stage width")
         _positive("policy.encoder.rgb_keypoints", self.rgb_keypoints)
         _positive("policy.encoder.random_shift", self.random_shift, allow_zero=True)
-        _positive("policy.encoder.voxel_grid", self.voxel_grid)
+        if len(self.point_channels) == 0:
+            raise ValueError("policy.encoder.point_channels is empty; give at least one MLP width")
+        _positive("policy.encoder.point_keypoints", self.point_keypoints, allow_zero=True)
         if len(self.workspace_low) != 3 or len(self.workspace_high) != 3:
             raise ValueError("policy.encoder.workspace_low/high must each have 3 values (x, y, z in m)")
         if any(lo >= hi for lo, hi in zip(self.workspace_low, self.workspace_high)):

@@ -20,7 +20,7 @@ class Modality:
     dtype: torch.dtype | None
     """Storage dtype of one step's tensor; None for text (a string per step)."""
     rank: int
-    """Rank of one step's value: rgb (H, W, 3) 3, points (N, 3) 2, state (Ds,) 1, instruction (a string) 0."""
+    """Rank of one step's value: rgb (H, W, 3) 3, points (N, 6) 2, state (Ds,) 1, instruction (a string) 0."""
 
 
 MODALITIES: dict[str, Modality] = {

@@ -37,8 +37,7 @@ def _tiny_cfg(**over) -> PolicyConfig:
         state_hidden=16,
         rgb_channels=[8, 8],
         rgb_keypoints=8,
-        voxel_grid=8,
-        voxel_channels=[8, 8],
+        point_channels=[8, 8],
     )
     base = dict(
         down_dims=[8, 16],

@@ -10,7 +10,7 @@ from diffpolicy.models.critic import Critic
 from diffpolicy.policies import ActionQueue, DiffusionPolicy, GaussianPolicy, make_policy
 
 B, TA, DA, TE = 3, 16, 4, 4
-ENC = EncoderConfig(rgb_channels=[8], rgb_keypoints=4, voxel_grid=4, voxel_channels=[8], token_dim=16,
+ENC = EncoderConfig(rgb_channels=[8], rgb_keypoints=4, point_channels=[8], point_keypoints=4, token_dim=16,
                     fusion_heads=2, state_hidden=16)  # fmt: skip
 MULTI = {"rgb": (16, 16, 3), "points": (32, 3), "state": (5,), "instruction": None}
 

@@ -11,7 +11,7 @@ from diffpolicy.config import EncoderConfig, EnvConfig, PolicyConfig
 from diffpolicy.policy_io import build_policy, load_policy, save_policy
 
 DA, TA, TE = 7, 16, 4
-ENC = EncoderConfig(rgb_channels=[8], rgb_keypoints=4, voxel_grid=4, voxel_channels=[8], token_dim=16,
+ENC = EncoderConfig(rgb_channels=[8], rgb_keypoints=4, point_channels=[8], point_keypoints=4, token_dim=16,
                     fusion_heads=2, state_hidden=16)  # fmt: skip
 SPEC = {"rgb": [16, 16, 3], "points": [32, 3], "state": [13], "instruction": []}
 ENV = EnvConfig(image_size=16, n_points=32, num_envs=2)

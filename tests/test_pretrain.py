@@ -22,7 +22,7 @@ from diffpolicy.policy_io import build_policy, load_policy
 ROOT = Path(__file__).resolve().parents[1]
 REACH = EnvConfig(name="obstacle_reach", id="diffpolicy_envs:ObstacleReach-v0", obs_mode="state", num_envs=2)
 PICK = EnvConfig(image_size=32, n_points=64, num_envs=2)
-ENC = EncoderConfig(rgb_channels=[8], rgb_keypoints=4, voxel_grid=4, voxel_channels=[8], token_dim=16,
+ENC = EncoderConfig(rgb_channels=[8], rgb_keypoints=4, point_channels=[8], point_keypoints=4, token_dim=16,
                     fusion_heads=2, state_hidden=16)  # fmt: skip
 SMALL = PolicyConfig(encoder=ENC, cond_dim=16, down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=16,
                      n_action_steps=8, train_timesteps=20, ddim_steps=4, ft_steps=2)  # fmt: skip
@@ -98,7 +98,7 @@ def test_behaviour_cloning_multimodal(tmp_path):
         )
     assert metrics["steps"] >= 1
     loaded, _, ckpt = load_policy(metrics["checkpoint"])
-    assert ckpt.extra["obs_spec"] == {"rgb": [32, 32, 3], "points": [64, 3], "state": [13], "instruction": []}
+    assert ckpt.extra["obs_spec"] == {"rgb": [32, 32, 3], "points": [64, 6], "state": [10], "instruction": []}
     assert ckpt.extra["text_backend"] == "hash"
 
 

@@ -1,7 +1,7 @@
-"""Observation encoders (RGB, voxelised point cloud, frozen text, state) and their cross-attention fusion."""
+"""Observation encoders (RGB, coloured voxelised point cloud, frozen text, state) and their cross-attention fusion."""
 
 from diffpolicy.encoders.fusion import ObservationEncoder, StateEncoder
-from diffpolicy.encoders.pointcloud import PointCloudEncoder, voxelize
+from diffpolicy.encoders.pointcloud import PointCloudEncoder
 from diffpolicy.encoders.rgb import RGBEncoder, random_shift
 from diffpolicy.encoders.text import TextEncoder
 
@@ -12,5 +12,4 @@ __all__ = [
     "StateEncoder",
     "TextEncoder",
     "random_shift",
-    "voxelize",
 ]

@@ -1,13 +1,14 @@
 """Mid-level fusion of all observation modalities into one conditioning vector (B, cond_dim).
 
-Every present modality becomes tokens of width token_dim (RGB keypoint groups, voxel cells, one state
-token per history step); tokens of history step s get a learned step embedding, and each modality a learned
+Every present modality becomes tokens of width token_dim (RGB keypoint groups, the point cloud's max-pooled
+feature and point-keypoint groups, one state token per history step); tokens of history step s get a learned step embedding, and each modality a learned
 type embedding. A learned readout token and all visual + state tokens go through ``fusion_layers``
 pre-norm self-attention blocks (cross-modal mixing); the instruction token then attends to the fused tokens
 (cross-attention, text as query). The readout and text outputs are concatenated and projected to cond_dim.
-With ``text_film`` the instruction also FiLM-modulates the RGB encoder's feature maps before its keypoints
-are taken: which cube to pick is decided from the text, and attention alone did not learn that selection
-(cloned policies reached the cube when the target colour was fixed, 32/32, and not when it varied).
+With ``text_film`` the instruction also FiLM-modulates the RGB encoder's feature maps and the point encoder's
+per-point features before their keypoints and max-pool are taken: which cube to pick is decided from the
+text, and attention alone did not learn that selection (cloned policies reached the cube when the target
+colour was fixed, 32/32, and not when it varied).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class AttentionBlock(nn.Module):
 class ObservationEncoder(nn.Module):
     """Observation dict -> cond (B, cond_dim).
 
-    obs["rgb"] (B, To, H, W, 3) uint8, obs["points"] (B, To, N, 3) float32 (m, robot base frame),
+    obs["rgb"] (B, To, H, W, 3) uint8, obs["points"] (B, To, N, 6) float32 (xyz in m, robot base frame, then
+    rgb in [0, 1]; an (N, 3) cloud is read as grey),
     obs["state"] (B, To, Ds) float32 (raw units; normalised here), obs["instruction"] list of B strings.
     The modalities used are those present in ``obs_spec`` (key -> per-step shape; for ``instruction`` any
     value) and enabled in ``cfg``. A missing To axis is accepted and read as To = 1.
@@ -110,15 +112,24 @@ class ObservationEncoder(nn.Module):
         self.modalities: list[str] = []
         self.encoders = nn.ModuleDict()
         self.use_text = "instruction" in obs_spec and cfg.use_text
-        self.text_film = self.use_text and cfg.text_film and "rgb" in obs_spec and cfg.use_rgb
+        film = self.use_text and cfg.text_film
+        self.filmed: set[str] = set()
+        """Modalities whose encoder the instruction FiLM-modulates."""
         if "rgb" in obs_spec and cfg.use_rgb:
             self.encoders["rgb"] = RGBEncoder(
-                cfg.rgb_channels, cfg.rgb_keypoints, D, cfg.random_shift, text_dim=D if self.text_film else 0
+                cfg.rgb_channels, cfg.rgb_keypoints, D, cfg.random_shift, text_dim=D if film else 0
             )
+            self.filmed |= {"rgb"} if film else set()
         if "points" in obs_spec and cfg.use_points:
             self.encoders["points"] = PointCloudEncoder(
-                cfg.voxel_channels, cfg.voxel_grid, cfg.workspace_low, cfg.workspace_high, D
+                cfg.point_channels,
+                cfg.workspace_low,
+                cfg.workspace_high,
+                D,
+                keypoints=cfg.point_keypoints,
+                text_dim=D if film else 0,
             )
+            self.filmed |= {"points"} if film else set()
         self.state_dim = 0
         if "state" in obs_spec:
             self.state_dim = spec_shape(obs_spec["state"])[-1]
@@ -179,14 +190,14 @@ class ObservationEncoder(nn.Module):
                 pad = x[:, :1].expand(B, self.n_obs_steps - To, *x.shape[2:])
                 x, To = torch.cat([pad, x], dim=1), self.n_obs_steps  # (B, To, ...)
             flat = x.reshape(B * To, *x.shape[2:])  # (B To, ...)
+            text = q[:, 0].repeat_interleave(To, dim=0) if k in self.filmed else None  # (B To, D)
             if k == "state":
                 t = self._ckpt(self.encoders[k], self.state_normalizer.normalize(flat.float()))
             elif k == "rgb":
                 enc = self.encoders[k]  # augmentation stays outside the recomputed part
-                text = q[:, 0].repeat_interleave(To, dim=0) if self.text_film else None  # (B To, D)
                 t = self._ckpt(enc.tokens, enc.preprocess(flat, augment, generator), text)
             else:
-                t = self._ckpt(self.encoders[k], flat)
+                t = self._ckpt(self.encoders[k], flat, text)
             t = t.view(B, To, -1, t.shape[-1])  # (B, To, n_k, D)
             t = t + self.step_embed[self.n_obs_steps - To :, None, :] + self.type_embed[k]
             tokens.append(t.flatten(1, 2))  # (B, To n_k, D)
