@@ -28,6 +28,7 @@ BENCHMARKS = {
     "stabledrl": "standard PPO vs StableDRL clipping under 100x importance-ratio noise",
     "scaling": "PPO environment steps per second with 1 and 2 processes",
     "serve": "gRPC action server latency and throughput",
+    "encoders": "encoder forward+backward samples/s per modality at the BC batch size",
 }
 """Benchmark names and what each measures."""
 
