@@ -116,21 +116,16 @@ def make_envs(
     imported this module and the MuJoCo env once, so a later ``make_envs`` (each evaluation) starts its
     workers in milliseconds instead of seconds.
     """
-    from gymnasium.vector import AutoresetMode, SyncVectorEnv
-
-    from diffpolicy_envs.vector import SeededVectorEnv, ShardedVectorEnv
+    from diffpolicy_envs.vector import vectorize
 
     fns = [partial(_make_one, cfg, n_action_steps, chunked=chunked) for _ in range(num_envs)]
-    if cfg.vectorization == "sync" or num_envs == 1:
-        venv = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
-    else:
-        venv = ShardedVectorEnv(
-            fns,
-            workers=cfg.workers or None,  # None: one per CPU
-            context="forkserver",
-            preload=("diffpolicy.rollout", "diffpolicy_envs.mujoco_pick"),  # torch, mujoco: imported once
-        )
-    return SeededVectorEnv(venv, seed)
+    return vectorize(
+        fns,
+        seed,
+        "sync" if cfg.vectorization == "sync" else "sharded",
+        workers=cfg.workers or None,  # None: one per CPU
+        preload=("diffpolicy.rollout", "diffpolicy_envs.mujoco_pick"),  # torch, mujoco: imported once
+    )
 
 
 def obs_spec(space: gym.spaces.Dict) -> dict[str, list[int]]:

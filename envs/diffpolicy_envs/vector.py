@@ -1,7 +1,7 @@
 """Vectorised environments with same-step autoreset and reproducible seeding.
 
 ``make_vec_env(env_id, num_envs, seed)`` builds ``num_envs`` copies with :func:`diffpolicy_envs.adapters.make_env`
-in a gymnasium ``SyncVectorEnv`` (one process), a gymnasium ``AsyncVectorEnv`` (one subprocess per env) or a
+(``vectorize(env_fns, seed)`` does the same for any env constructors, e.g. wrapped ones) in a gymnasium ``SyncVectorEnv`` (one process), a gymnasium ``AsyncVectorEnv`` (one subprocess per env) or a
 :class:`ShardedVectorEnv` (the envs split over a few worker processes), all with ``AutoresetMode.SAME_STEP``:
 when sub-env i terminates or truncates at a step, that same ``step`` call resets it and returns the first
 observation of its next episode in ``obs``; the last observation of the finished episode is in
@@ -330,6 +330,41 @@ class ShardedVectorEnv(gym.vector.VectorEnv):
         return concatenate(self.single_observation_space, self._env_obs, out)
 
 
+def vectorize(
+    env_fns: list[Any],
+    seed: int | None = 0,
+    vectorization_mode: str = "sync",
+    context: str = "forkserver",
+    workers: int | None = None,
+    preload: tuple[str, ...] = (),
+) -> gym.vector.VectorEnv:
+    """The one way this package vectorises: env constructors -> a seeded, same-step-autoreset vector env.
+
+    ``vectorization_mode`` is "sync" (one process), "async" (gymnasium's ``AsyncVectorEnv``, one subprocess per
+    env) or "sharded" (:class:`ShardedVectorEnv`, ``workers`` processes, the number of CPUs by default, which
+    import ``preload`` once in their fork server). ``context`` is the multiprocessing start method of the
+    subprocesses; the default "forkserver" starts them from a clean process, because forking a process that
+    already holds an EGL context can deadlock the children. One env is always stepped in process.
+    """
+    if len(env_fns) < 1:
+        raise ValueError(f"num_envs must be >= 1, got {len(env_fns)}")
+    if vectorization_mode not in VECTORIZATION_MODES:
+        raise ValueError(
+            f"vectorization_mode must be one of {VECTORIZATION_MODES}, got {vectorization_mode!r}"
+        )
+    if vectorization_mode == "sync" or len(env_fns) == 1:
+        venv = SyncVectorEnv(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    elif vectorization_mode == "sharded":
+        venv = ShardedVectorEnv(env_fns, workers=workers, context=context, preload=preload)
+    else:
+        # shared_memory=False: gymnasium (<= 1.4) reads a Text space out of shared memory once, at
+        # construction, so every later ``instruction`` would be stale; pipes copy the (small) observations.
+        venv = AsyncVectorEnv(
+            env_fns, shared_memory=False, context=context, autoreset_mode=AutoresetMode.SAME_STEP
+        )
+    return SeededVectorEnv(venv, seed)
+
+
 def make_vec_env(
     env_id: str,
     num_envs: int,
@@ -339,30 +374,12 @@ def make_vec_env(
     workers: int | None = None,
     **kwargs: Any,
 ) -> gym.vector.VectorEnv:
-    """``num_envs`` copies of ``env_id`` (kwargs go to each env), same-step autoreset, seeded from ``seed``.
+    """``num_envs`` copies of ``env_id`` (kwargs go to each env), vectorised by :func:`vectorize`.
 
     Observations come batched: a Dict of arrays with a leading B = ``num_envs`` axis (``instruction`` as a
-    tuple of B strings). Actions are (B, Da) in [-1, 1]. ``vectorization_mode`` is "sync" (one process),
-    "async" (gymnasium's ``AsyncVectorEnv``, one subprocess per env) or "sharded" (:class:`ShardedVectorEnv`,
-    ``workers`` processes, the number of CPUs by default). ``context`` is the multiprocessing start method
-    of the subprocesses; the default "forkserver" starts them from a clean process, because forking a
-    process that already holds an EGL context can deadlock the children.
+    tuple of B strings). Actions are (B, Da) in [-1, 1].
     """
     if num_envs < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
-    if vectorization_mode not in VECTORIZATION_MODES:
-        raise ValueError(
-            f"vectorization_mode must be one of {VECTORIZATION_MODES}, got {vectorization_mode!r}"
-        )
     env_fns = [partial(make_env, env_id, **kwargs) for _ in range(num_envs)]
-    if vectorization_mode == "sync":
-        venv = SyncVectorEnv(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
-    elif vectorization_mode == "sharded":
-        venv = ShardedVectorEnv(env_fns, workers=workers, context=context)
-    else:
-        # shared_memory=False: gymnasium (<= 1.4) reads a Text space out of shared memory once, at
-        # construction, so every later ``instruction`` would be stale; pipes copy the (small) observations.
-        venv = AsyncVectorEnv(
-            env_fns, shared_memory=False, context=context, autoreset_mode=AutoresetMode.SAME_STEP
-        )
-    return SeededVectorEnv(venv, seed)
+    return vectorize(env_fns, seed, vectorization_mode, context, workers)
