@@ -1,8 +1,8 @@
 """Behaviour cloning: the training loop, its EMA and schedule, and the cache of pre-trained policies.
 
-:func:`behaviour_cloning`: normalisers fitted on the demonstrations, AdamW (``algo.bc_lr``, weight decay
-1e-6) with linear warm-up then cosine decay, gradient clipping (``algo.bc_max_grad_norm``), an EMA copy of
-the weights (``algo.ema_decay``) which is what gets saved and evaluated; ``losses/bc`` and ``train/lr`` to
+:func:`behaviour_cloning`: normalisers fitted on the demonstrations, AdamW (``bc.lr``, weight decay
+1e-6) with linear warm-up then cosine decay, gradient clipping (``bc.max_grad_norm``), an EMA copy of
+the weights (``bc.ema_decay``) which is what gets saved and evaluated; ``losses/bc`` and ``train/lr`` to
 TensorBoard / ``metrics.jsonl`` with a progress bar; checkpoints (:mod:`diffpolicy.policy_io`) in
 ``<run_dir>/checkpoints`` during training and at the end. :func:`pretrained_checkpoint` returns the cached
 BC checkpoint ``<cache_dir>/bc/<key>`` for the same env / policy / BC settings and seed, training (and
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.config import AlgoConfig, EnvConfig, PolicyConfig
+from diffpolicy.config import BCConfig, EnvConfig, PolicyConfig
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.demos import cached_demos, demos_key
 from diffpolicy.device import Runtime
@@ -33,8 +33,9 @@ from diffpolicy.policy_io import build_policy, save_policy
 
 BC_WEIGHT_DECAY = 1e-6
 """AdamW weight decay of behaviour cloning."""
-BC_FIELDS = ("bc_epochs", "bc_batch_size", "bc_lr", "ema_decay", "n_demos", "bc_max_grad_norm")
-"""AlgoConfig fields that change a BC result (part of the cache key)."""
+BC_FIELDS = {"bc_epochs": "epochs", "bc_batch_size": "batch_size", "bc_lr": "lr", "ema_decay": "ema_decay",
+             "n_demos": "n_demos", "bc_max_grad_norm": "max_grad_norm"}  # fmt: skip
+"""BCConfig fields that change a BC result (the cache key), under the names the keys were first made with."""
 POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing", "ft_steps", "eta", "min_std")
 """PolicyConfig fields that do not change a BC result (left out of the cache key); the sampling ones are set
 on the loaded policy by :func:`diffpolicy.train.initial_policy` (``DiffusionPolicy.set_sampling``)."""
@@ -98,7 +99,7 @@ def condition_gap(policy: Any, obs: dict[str, Any], actions: torch.Tensor, seed:
 def behaviour_cloning(
     env_cfg: EnvConfig,
     policy_cfg: PolicyConfig,
-    algo: AlgoConfig,
+    bc_cfg: BCConfig,
     demos_path: str | Path,
     runtime: Runtime,
     logger: Logger,
@@ -111,15 +112,14 @@ def behaviour_cloning(
 ) -> tuple[Any, dict[str, Any]]:
     """Train a policy by behaviour cloning on the demonstrations at ``demos_path``.
 
-    Runs ``algo.bc_epochs`` passes over all windows in batches of ``algo.bc_batch_size`` (the last,
+    Runs ``bc_cfg.epochs`` passes over all windows in batches of ``bc_cfg.batch_size`` (the last,
     incomplete batch of an epoch is dropped), logging ``losses/bc`` / ``train/lr`` against the optimiser
     step and ``train/condition_gap`` (:func:`condition_gap` of the EMA diffusion policy on a fixed batch) per epoch, and
     writing ``checkpoints`` intermediate checkpoints plus the final one (the EMA weights as
     ``"policy"``) under ``<run_dir>/checkpoints``.
 
     Args:
-        env_cfg, policy_cfg, algo: the pieces of a Pretrain/TrainConfig (algo's ``bc_*``, ``ema_decay``
-            and ``bc_max_grad_norm`` are used).
+        env_cfg, policy_cfg, bc_cfg: the pieces of a Pretrain/TrainConfig (``cfg.bc`` is the BC budget).
         demos_path: dataset directory.
         runtime: device and precision.
         logger: metrics logger (its progress bar shows the steps).
@@ -143,19 +143,19 @@ def behaviour_cloning(
     state = data.data["state"][steps] if "state" in data.data else None
     policy.fit_normalizers(actions=data.data["action"][steps], state=state)
     policy.to(device).train()
-    ema = EMA(policy, algo.ema_decay)
+    ema = EMA(policy, bc_cfg.ema_decay)
 
     params = [p for p in policy.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=algo.bc_lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
-    batch_size = min(algo.bc_batch_size, len(data))
+    optim = torch.optim.AdamW(params, lr=bc_cfg.lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
+    batch_size = min(bc_cfg.batch_size, len(data))
     per_epoch = len(data) // batch_size
-    total = per_epoch * algo.bc_epochs
+    total = per_epoch * bc_cfg.epochs
     warmup = max(1, min(500, total // 20))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
     scaler = runtime.grad_scaler()
     gen = torch.Generator().manual_seed(seed)
     ckpt_root = Path(run_dir) / "checkpoints"
-    ckpt_every = max(1, algo.bc_epochs // checkpoints) if checkpoints > 0 else algo.bc_epochs + 1
+    ckpt_every = max(1, bc_cfg.epochs // checkpoints) if checkpoints > 0 else bc_cfg.epochs + 1
     description = {"stage": "bc", "demos": str(demos_path), "seed": seed, **(extra or {})}
 
     def save(step: int, epoch: int, loss: float) -> Path:
@@ -181,7 +181,7 @@ def behaviour_cloning(
     step, epoch_loss, window_loss, window_n, gap = 0, float("nan"), 0.0, 0, float("nan")
     t_train = time.perf_counter()
     bar = iter(logger.progress(range(total), total=total, desc="bc"))
-    for epoch in range(1, algo.bc_epochs + 1):
+    for epoch in range(1, bc_cfg.epochs + 1):
         order = torch.randperm(len(data), generator=gen)
         loss_sum = 0.0
         for b in range(per_epoch):
@@ -192,7 +192,7 @@ def behaviour_cloning(
             optim.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.unscale_(optim)
-            torch.nn.utils.clip_grad_norm_(params, algo.bc_max_grad_norm or math.inf)
+            torch.nn.utils.clip_grad_norm_(params, bc_cfg.max_grad_norm or math.inf)
             scaler.step(optim)
             scaler.update()
             sched.step()
@@ -200,7 +200,7 @@ def behaviour_cloning(
             step += 1
             value = float(loss.detach())
             if not math.isfinite(value):
-                raise ValueError(f"behaviour-cloning loss is {value} at step {step}; lower algo.bc_lr")
+                raise ValueError(f"behaviour-cloning loss is {value} at step {step}; lower bc.lr")
             loss_sum += value
             window_loss, window_n = window_loss + value, window_n + 1
             if window_n == LOG_EVERY or step == total:
@@ -211,16 +211,16 @@ def behaviour_cloning(
         if hasattr(ema.module, "denoiser"):  # diffusion policies (the Gaussian baseline has no denoiser)
             gap = scalars["train/condition_gap"] = condition_gap(ema.module, *probe, seed=seed)
         logger.log(scalars, step)
-        if epoch % ckpt_every == 0 and epoch < algo.bc_epochs:
+        if epoch % ckpt_every == 0 and epoch < bc_cfg.epochs:
             save(step, epoch, epoch_loss)
     next(bar, None)  # close the progress bar
     train_s = time.perf_counter() - t_train
-    final = save(step, algo.bc_epochs, epoch_loss)
+    final = save(step, bc_cfg.epochs, epoch_loss)
     logger.log({"time/bc_s_per_step": train_s / max(1, step)}, step)
     policy = ema.module.eval()
     metrics = {
         "final_loss": epoch_loss,
-        "epochs": algo.bc_epochs,
+        "epochs": bc_cfg.epochs,
         "steps": step,
         "s_per_step": round(train_s / max(1, step), 4),
         "n_windows": len(data),
@@ -233,12 +233,12 @@ def behaviour_cloning(
 
 
 # ------------------------------------------------------------------------------------------------- cache
-def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, algo: AlgoConfig, seed: int) -> str:
+def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, bc_cfg: BCConfig, seed: int) -> str:
     """Short hash naming a cached BC checkpoint: the demonstrations' key, the policy and the BC settings."""
     policy = {k: v for k, v in dataclasses.asdict(policy_cfg).items() if k not in POLICY_FIELDS_IGNORED}
-    bc = {k: getattr(algo, k) for k in BC_FIELDS}
+    bc = {old: getattr(bc_cfg, new) for old, new in BC_FIELDS.items()}
     blob = json.dumps(
-        {"demos": demos_key(env_cfg, algo.n_demos, seed), "policy": policy, "bc": bc, "seed": seed},
+        {"demos": demos_key(env_cfg, bc_cfg.n_demos, seed), "policy": policy, "bc": bc, "seed": seed},
         sort_keys=True,
         default=str,
     )
@@ -248,7 +248,7 @@ def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, algo: AlgoConfig, seed:
 def pretrained_checkpoint(
     env_cfg: EnvConfig,
     policy_cfg: PolicyConfig,
-    algo: AlgoConfig,
+    bc_cfg: BCConfig,
     runtime: Runtime,
     cache_dir: str | Path,
     *,
@@ -260,21 +260,21 @@ def pretrained_checkpoint(
 ) -> Path:
     """The cached BC checkpoint for these settings (``<cache_dir>/bc/<bc_key>``), trained first if missing.
 
-    Demonstrations come from :func:`diffpolicy.demos.cached_demos` (``algo.n_demos`` episodes from
+    Demonstrations come from :func:`diffpolicy.demos.cached_demos` (``bc_cfg.n_demos`` episodes from
     ``seed``). Training logs and intermediate checkpoints go to ``run_dir`` (default
     ``<cache_dir>/bc/<key>.run``); only the finished checkpoint is written into the cache, so an interrupted
     run never leaves a half-trained one there. ``progress`` shows progress bars when no ``logger`` is given.
     """
-    root = Path(cache_dir) / "bc" / bc_key(env_cfg, policy_cfg, algo, seed)
+    root = Path(cache_dir) / "bc" / bc_key(env_cfg, policy_cfg, bc_cfg, seed)
     if checkpoint.exists(root):
         return checkpoint.resolve(root)
     run_dir = Path(run_dir) if run_dir is not None else root.with_name(root.name + ".run")
     own_logger = logger is None
     logger = logger or Logger(run_dir, tensorboard=False, progress=progress)
     try:
-        demos, _ = cached_demos(env_cfg, algo.n_demos, seed, cache_dir, progress=logger.progress)
+        demos, _ = cached_demos(env_cfg, bc_cfg.n_demos, seed, cache_dir, progress=logger.progress)
         policy, metrics = behaviour_cloning(
-            env_cfg, policy_cfg, algo, demos, runtime, logger, run_dir, seed, text_backend=text_backend
+            env_cfg, policy_cfg, bc_cfg, demos, runtime, logger, run_dir, seed, text_backend=text_backend
         )
     finally:
         if own_logger:

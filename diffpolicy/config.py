@@ -236,6 +236,34 @@ class PolicyConfig:
 
 
 @dataclass
+class BCConfig:
+    """Behaviour cloning from the scripted expert's demonstrations (``bc.*``), before any fine-tuning."""
+
+    epochs: int = 80
+    """Epochs over the demonstrations. On mujoco_pick's imprecise demo set (3040 steps, ~9 min on 2 cores)
+    held-out success was 0.90 at 80 epochs against 0.73 at 40, whose failures were mostly missed grasps:
+    40 epochs left BC under-trained."""
+    batch_size: int = 128
+    """Batch size (windows)."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW, linear warm-up then cosine decay)."""
+    max_grad_norm: float = 10.0
+    """Gradient clipping by global norm (0 disables); a safety net, separate from PPO's ``algo.max_grad_norm``
+    (1.0 slowed behaviour cloning down several-fold)."""
+    ema_decay: float = 0.995
+    """EMA decay of the weights; the EMA copy is what is saved and evaluated."""
+    n_demos: int = 100
+    """Demonstration episodes collected."""
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "n_demos"):
+            _positive(f"bc.{name}", getattr(self, name))
+        _positive("bc.lr", self.lr)
+        _positive("bc.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _unit("bc.ema_decay", self.ema_decay)
+
+
+@dataclass
 class AlgoConfig:
     """PPO fine-tuning of the last K' denoising steps (and the BC pre-training it starts from)."""
 
@@ -309,21 +337,6 @@ class AlgoConfig:
     """Warn when the gradient norm's z-score exceeds this."""
     rollback_drop: float = 0.3
     """Roll back to the last stable checkpoint when the success rate falls this far below its best."""
-    bc_epochs: int = 80
-    """Behaviour-cloning epochs over the demonstrations. On mujoco_pick's default demo set (3040 steps, ~9 min
-    on 2 cores) held-out success was 0.90 at 80 epochs against 0.73 at 40, whose failures were mostly missed
-    grasps: 40 epochs left BC under-trained."""
-    bc_batch_size: int = 128
-    """Behaviour-cloning batch size (windows)."""
-    bc_lr: float = 1e-3
-    """Behaviour-cloning peak learning rate (AdamW, cosine schedule)."""
-    bc_max_grad_norm: float = 10.0
-    """Behaviour-cloning gradient clipping by global norm (0 disables); a safety net, separate from PPO's
-    ``max_grad_norm`` (1.0 slowed behaviour cloning down several-fold)."""
-    ema_decay: float = 0.995
-    """EMA decay of the behaviour-cloning weights."""
-    n_demos: int = 100
-    """Demonstration episodes collected for behaviour cloning."""
     finetune_encoders: bool = False
     """PPO also updates the observation encoders (re-encodes every minibatch: several times slower on a CPU);
     when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
@@ -382,16 +395,14 @@ class AlgoConfig:
         _positive("algo.max_drift", self.max_drift, allow_zero=True)
         for name in ("iterations", "n_steps", "update_epochs", "minibatch_size", "group_size"):
             _positive(f"algo.{name}", getattr(self, name))
-        for name in ("bc_epochs", "bc_batch_size", "n_demos", "grad_monitor_window"):
-            _positive(f"algo.{name}", getattr(self, name))
-        for name in ("lr", "critic_lr", "bc_lr", "clip_eps", "clip_eps_final", "grad_spike_sigma"):
+        _positive("algo.grad_monitor_window", self.grad_monitor_window)
+        for name in ("lr", "critic_lr", "clip_eps", "clip_eps_final", "grad_spike_sigma"):
             _positive(f"algo.{name}", getattr(self, name))
         for name in (
             "weight_decay",
             "vf_coef",
             "target_kl",
             "max_grad_norm",
-            "bc_max_grad_norm",
             "reg_coef",
             "logprob_min_std",
             "noise_clip",
@@ -403,7 +414,7 @@ class AlgoConfig:
             raise ValueError(
                 f"algo.logprob_clamp={clamp} is not allowed; give [] (off) or [low, high] with low < high"
             )
-        for name in ("gamma", "gae_lambda", "denoise_gamma", "ema_decay", "rollback_drop"):
+        for name in ("gamma", "gae_lambda", "denoise_gamma", "rollback_drop"):
             _unit(f"algo.{name}", getattr(self, name))
 
 
@@ -479,6 +490,7 @@ class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    bc: BCConfig = field(default_factory=BCConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -544,6 +556,7 @@ class PretrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    bc: BCConfig = field(default_factory=BCConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     log: LogConfig = field(default_factory=LogConfig)
     seed: int = 0

@@ -34,16 +34,14 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
         if cfg.demos:
             demos = Path(cfg.demos)
         else:
-            demos, collected = cached_demos(
-                cfg.env, cfg.algo.n_demos, cfg.seed, cfg.cache_dir, logger.progress
-            )
+            demos, collected = cached_demos(cfg.env, cfg.bc.n_demos, cfg.seed, cfg.cache_dir, logger.progress)
             summary["demos_collected"] = collected
         summary["demos"] = str(demos)
         policy, metrics = behaviour_cloning(
-            cfg.env, cfg.policy, cfg.algo, demos, runtime, logger, run_dir, cfg.seed
+            cfg.env, cfg.policy, cfg.bc, demos, runtime, logger, run_dir, cfg.seed
         )
         if not cfg.demos:  # same settings as `diffpolicy.train` would pre-train: share the result
-            key = bc_key(cfg.env, cfg.policy, cfg.algo, cfg.seed)
+            key = bc_key(cfg.env, cfg.policy, cfg.bc, cfg.seed)
             summary["cached"] = str(
                 publish(policy, cfg.env, cfg.policy, Path(cfg.cache_dir) / "bc" / key, metrics, demos)
             )

@@ -69,7 +69,7 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
             return pretrained_checkpoint(
                 cfg.env,
                 cfg.policy,
-                cfg.algo,
+                cfg.bc,
                 rt,
                 cfg.cache_dir,
                 seed=cfg.seed,

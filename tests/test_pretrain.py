@@ -12,7 +12,7 @@ import torch
 
 from diffpolicy import checkpoint
 from diffpolicy.bc import EMA, behaviour_cloning, cosine_with_warmup, pretrained_checkpoint
-from diffpolicy.config import AlgoConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.config import BCConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.demos import collect_demos
 from diffpolicy.device import Runtime
@@ -64,7 +64,7 @@ def test_schedule_and_ema():
 
 
 def test_behaviour_cloning_reach(tmp_path, reach_demos):
-    algo = AlgoConfig(bc_epochs=3, bc_batch_size=32, bc_lr=1e-3)
+    algo = BCConfig(epochs=3, batch_size=32, lr=1e-3)
     with Logger(tmp_path, tensorboard=False, progress=False) as log:
         policy, metrics = behaviour_cloning(REACH, SMALL, algo, reach_demos, CPU, log, tmp_path, seed=0)
     assert metrics["epochs"] == 3 and metrics["steps"] == 3 * (metrics["n_windows"] // 32)
@@ -91,7 +91,7 @@ def test_behaviour_cloning_reach(tmp_path, reach_demos):
 
 def test_behaviour_cloning_multimodal(tmp_path):
     demos = collect_demos(PICK, 1, 0, tmp_path / "pick")["path"]
-    algo = AlgoConfig(bc_epochs=1, bc_batch_size=16)
+    algo = BCConfig(epochs=1, batch_size=16)
     with Logger(tmp_path, tensorboard=False, progress=False) as log:
         policy, metrics = behaviour_cloning(
             PICK, SMALL, algo, demos, CPU, log, tmp_path, 0, text_backend="hash"
@@ -103,7 +103,7 @@ def test_behaviour_cloning_multimodal(tmp_path):
 
 
 def test_pretrained_checkpoint_is_cached(tmp_path, monkeypatch):
-    algo = AlgoConfig(bc_epochs=1, bc_batch_size=32, n_demos=2)
+    algo = BCConfig(epochs=1, batch_size=32, n_demos=2)
     path = pretrained_checkpoint(REACH, SMALL, algo, CPU, tmp_path / "cache", run_dir=tmp_path / "run")
     assert checkpoint.exists(path) and path.parent.parent == tmp_path / "cache" / "bc"
     import diffpolicy.bc as bc
@@ -116,14 +116,14 @@ def test_pretrained_checkpoint_is_cached(tmp_path, monkeypatch):
     # the fine-tuning sampler's settings do not change a BC result: the same checkpoint serves them all
     sampling = dataclasses.replace(SMALL, min_std=0.01, eta=0.5, ft_steps=1)
     assert pretrained_checkpoint(REACH, sampling, algo, CPU, tmp_path / "cache") == path
-    other = AlgoConfig(bc_epochs=2, bc_batch_size=32, n_demos=2)
+    other = BCConfig(epochs=2, batch_size=32, n_demos=2)
     with pytest.raises(AssertionError, match="trained again"):
         pretrained_checkpoint(REACH, SMALL, other, CPU, tmp_path / "cache")
 
 
 def test_pretrain_cli(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'envs'}"}
-    args = ["env=obstacle_reach", "device=cpu", "algo.n_demos=3", "algo.bc_epochs=2", "algo.bc_batch_size=32",
+    args = ["env=obstacle_reach", "device=cpu", "bc.n_demos=3", "bc.epochs=2", "bc.batch_size=32",
             "policy.horizon=16", "policy.down_dims=[16,32]", "policy.cond_dim=16", "policy.n_groups=4",
             "policy.ddim_steps=4", "policy.ft_steps=2", "log.tensorboard=false",
             f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip

@@ -15,7 +15,7 @@ def test_make_quick_runs_the_quick_preset() -> None:
     assert "-m diffpolicy.train +experiment=quick" in (ROOT / "Makefile").read_text()
     cfg = compose("train", ["+experiment=quick"])
     assert cfg.env.name == "mujoco_pick" and cfg.env.obs_mode == "state" and cfg.algo.head == "residual"
-    assert cfg.algo.n_demos <= 20 and cfg.algo.bc_epochs <= 100 and max(cfg.policy.down_dims) <= 64
+    assert cfg.bc.n_demos <= 20 and cfg.bc.epochs <= 100 and max(cfg.policy.down_dims) <= 64
     assert cfg.algo.iterations * cfg.algo.n_steps * cfg.env.num_envs <= 2_000  # PPO env steps
     assert cfg.eval_episodes <= 16 and cfg.video_episodes == 0
 
@@ -29,8 +29,8 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         "train",
         [
             "+experiment=quick",
-            "algo.n_demos=2",
-            "algo.bc_epochs=2",
+            "bc.n_demos=2",
+            "bc.epochs=2",
             "algo.iterations=1",
             "algo.n_steps=30",
             "algo.minibatch_size=60",

@@ -34,9 +34,9 @@ COLD_RUN = [
     "algo.n_steps=2",
     "algo.update_epochs=1",
     "eval_episodes=2",
-    "algo.n_demos=4",
-    "algo.bc_epochs=200",  # 800 optimiser steps: 18-40 s of BC on one core, about twice TIMEOUT_S or more
-    "algo.bc_batch_size=32",
+    "bc.n_demos=4",
+    "bc.epochs=200",  # 800 optimiser steps: 18-40 s of BC on one core, about twice TIMEOUT_S or more
+    "bc.batch_size=32",
     "dist=ddp",
     f"dist.timeout_s={TIMEOUT_S}",
 ]
@@ -73,7 +73,7 @@ def test_two_ranks_train_from_an_empty_cache(tmp_path: Path) -> None:
     # rank 0 really collected and trained for longer than the collective timeout while rank 1 waited
     rows = [json.loads(line) for line in (run_dir / "bc" / "metrics.jsonl").read_text().splitlines()]
     busy_s = rows[-1]["wall_time_s"]  # since the BC logger opened, before the demonstrations
-    assert busy_s > TIMEOUT_S + 3, f"collection + BC took only {busy_s:.1f} s: raise algo.bc_epochs"
+    assert busy_s > TIMEOUT_S + 3, f"collection + BC took only {busy_s:.1f} s: raise bc.epochs"
     # one BC checkpoint in the cache, and the wait left no status file behind
     bc = [p for p in (cache / "bc").iterdir() if not p.name.endswith(".run")]
     assert len(bc) == 1 and checkpoint.exists(bc[0]), sorted(p.name for p in (cache / "bc").iterdir())

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffpolicy.config import AlgoConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.config import BCConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
 from diffpolicy.device import Runtime
 from diffpolicy.logger import Logger
 
@@ -76,12 +76,12 @@ def train_and_evaluate(
     from diffpolicy.bc import behaviour_cloning
 
     cfg = policy_config(kind, s)
-    algo = AlgoConfig(bc_epochs=int(s["epochs"]), bc_batch_size=int(s["batch_size"]), bc_lr=float(s["lr"]))
+    bc_cfg = BCConfig(epochs=int(s["epochs"]), batch_size=int(s["batch_size"]), lr=float(s["lr"]))
     run_dir = work / kind
     t0 = time.perf_counter()
     with Logger(run_dir, tensorboard=False, progress=False) as log:
         policy, metrics = behaviour_cloning(
-            ENV, cfg, algo, demos, runtime, log, run_dir, int(s["seed"]), text_backend="hash", checkpoints=0
+            ENV, cfg, bc_cfg, demos, runtime, log, run_dir, int(s["seed"]), text_backend="hash", checkpoints=0
         )
     t1 = time.perf_counter()
     result = rollout.evaluate(
