@@ -102,6 +102,8 @@ class EncoderConfig:
     """Encode the coloured, voxelised point cloud (ignored when the environment has no ``points``)."""
     use_text: bool = True
     """Encode the instruction with the frozen MiniLM (ignored when the environment has no ``instruction``)."""
+    use_state: bool = True
+    """Encode the proprioceptive ``state`` (its normaliser is fitted either way: the residual head reads it)."""
     rgb_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
     """Channels of the ResNet-style RGB stages."""
     rgb_keypoints: int = 32

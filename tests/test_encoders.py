@@ -143,6 +143,11 @@ def test_observation_encoder_respects_switches_and_history():
     torch.testing.assert_close(enc(o3), enc(o1))
     with pytest.raises(ValueError):
         enc(obs(to=3))
+    no_state = EncoderConfig(**{**ENC.__dict__, "use_state": False})
+    enc = ObservationEncoder(no_state, SPEC, n_obs_steps=1, cond_dim=20, text_backend="hash")
+    assert "state" not in enc.modalities and enc.state_normalizer.normalize(torch.zeros(1, 5)).shape == (1, 5)
+    o = obs()
+    torch.testing.assert_close(enc(o), enc(dict(o, state=o["state"] + 1.0)))  # the state is not read
 
 
 def test_text_changes_condition():

@@ -133,8 +133,9 @@ class ObservationEncoder(nn.Module):
         self.state_dim = 0
         if "state" in obs_spec:
             self.state_dim = spec_shape(obs_spec["state"])[-1]
-            self.encoders["state"] = StateEncoder(self.state_dim, cfg.state_hidden, D)
             self.state_normalizer = MinMaxNormalizer(self.state_dim)
+            if cfg.use_state:
+                self.encoders["state"] = StateEncoder(self.state_dim, cfg.state_hidden, D)
         if self.use_text:
             self.text = TextEncoder(D, backend=text_backend)
             self.cross = AttentionBlock(D, cfg.fusion_heads)
