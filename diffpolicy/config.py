@@ -510,7 +510,7 @@ class TrainConfig:
     """Evaluate every DDIM step's mean only, rather than the stochastic chain that a chain head fine-tunes
     (the default, so that BC and PPO are judged as the policy that is trained). A residual head's base always
     samples deterministically. ``pretrain`` has the same field, evaluated the same way
-    (:func:`diffpolicy.rollout.held_out`), so their success rates compare."""
+    (:func:`diffpolicy.evaluation.held_out`), so their success rates compare."""
     cache_dir: str = ""
     """Where demonstrations and the pre-trained checkpoint are cached between runs ('' = $DIFFPOLICY_CACHE,
     else runs/cache)."""

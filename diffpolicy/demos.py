@@ -44,7 +44,7 @@ def _no_progress(iterable: Iterable[Any], **_: Any) -> Iterator[Any]:
 
 def _make_env(env_cfg: EnvConfig):
     """One environment rendering its camera every step (obs_every = 1), no action chunking."""
-    from diffpolicy.rollout import env_kwargs
+    from diffpolicy.env_factory import env_kwargs
     from diffpolicy_envs.adapters import make_env
 
     if env_cfg.name == "gym":

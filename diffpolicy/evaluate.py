@@ -1,6 +1,6 @@
 """``python -m diffpolicy.evaluate checkpoint=PATH n_episodes=100``: success rate of a checkpoint.
 
-Loads the policy with :func:`diffpolicy.policy_io.load_policy`, runs :func:`diffpolicy.rollout.evaluate`
+Loads the policy with :func:`diffpolicy.policy_io.load_policy`, runs :func:`diffpolicy.evaluation.evaluate`
 (the sampling path training rollouts use too) on held-out seeds ``eval_seed + i`` (demonstrations use seeds
 from 0), records ``video_episodes`` episodes to ``eval.mp4`` and, when the checkpoint's run directory holds
 a ``metrics.jsonl``, plots its training curve into the run directory. Prints one JSON line last:
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diffpolicy import rollout
+from diffpolicy import evaluation
 from diffpolicy.cli import launch
 from diffpolicy.config import EvaluateConfig
 from diffpolicy.device import Runtime
@@ -67,7 +67,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         cfg.checkpoint, runtime.device, env_overrides={"num_envs": cfg.num_envs}
     )
     runtime.manual_seed(cfg.eval_seed)
-    result = rollout.evaluate(
+    result = evaluation.evaluate(
         policy,
         env_cfg,
         n_action_steps=policy.n_action_steps,
@@ -88,7 +88,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     }
     if cfg.video_episodes > 0:
         video = run_dir / "eval.mp4"
-        frames = rollout.record_video(
+        frames = evaluation.record_video(
             policy,
             env_cfg,
             str(video),

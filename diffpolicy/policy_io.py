@@ -87,7 +87,7 @@ def text_backend_of(policy: Any) -> str:
 
 def env_spec(env_cfg: EnvConfig) -> tuple[dict[str, list[int]], int]:
     """(obs_spec, Da) of ``env_cfg``'s environment, read from the spaces of one freshly built instance."""
-    from diffpolicy.rollout import env_kwargs, obs_spec
+    from diffpolicy.env_factory import env_kwargs, obs_spec
     from diffpolicy_envs.adapters import make_env
 
     env = make_env(env_cfg.id, **env_kwargs(env_cfg, 1))

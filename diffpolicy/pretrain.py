@@ -4,7 +4,7 @@ Reads top to bottom: the demonstrations (``demos=PATH``, or the cached dataset `
 collected first when missing) -> :func:`diffpolicy.bc.behaviour_cloning` -> the result published into the
 BC cache that ``diffpolicy.train`` reads -> the training curve ``bc_loss.png`` and, when
 ``eval_episodes > 0``, a held-out success rate measured as ``train`` measures its BC success rate
-(:func:`diffpolicy.rollout.held_out`).
+(:func:`diffpolicy.evaluation.held_out`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from diffpolicy.logger import Logger
 # -------------------------------------------------------------------------------------------- entry point
 def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
     """Behaviour cloning for ``cfg``; returns the summary printed as the last stdout line."""
+    from diffpolicy.evaluation import held_out
     from diffpolicy.plots import plot_curve
-    from diffpolicy.rollout import held_out
 
     t0 = time.perf_counter()
     runtime = Runtime.from_config(cfg.device)

@@ -37,11 +37,11 @@ from diffpolicy.distributed import (
     seed_for_rank,
     sum_metrics,
 )
+from diffpolicy.evaluation import EvalResult, held_out, record_video
 from diffpolicy.logger import Logger
 from diffpolicy.policy_io import load_policy, save_policy
 from diffpolicy.rl.heads import make_head
 from diffpolicy.rl.stability import RollbackGuard
-from diffpolicy.rollout import EvalResult, held_out, record_video
 
 
 # ------------------------------------------------------------------------------------------------ helpers

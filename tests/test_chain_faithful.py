@@ -19,12 +19,13 @@ from diffpolicy.config import AlgoConfig, DeviceConfig, EncoderConfig, PolicyCon
 from diffpolicy.device import Runtime
 from diffpolicy.diffusion.sampler import ddim_sample, ddim_sample_reference
 from diffpolicy.distributed import DistInfo
+from diffpolicy.env_factory import ActionChunkWrapper
 from diffpolicy.models.critic import Critic
 from diffpolicy.policies import DiffusionPolicy, make_policy
 from diffpolicy.rl.buffer import RolloutBuffer, ppo_specs
+from diffpolicy.rl.rollout import collect_rollout
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
 from diffpolicy.rl.update import KL_STEP_FACTOR, Learner, ppo_update
-from diffpolicy.rollout import ActionChunkWrapper, collect_rollout
 
 B, TA, DA, TE, K, KP = 4, 16, 3, 4, 5, 3
 ENC = EncoderConfig(state_hidden=16, token_dim=16, fusion_heads=2)

@@ -198,7 +198,7 @@ def test_make_envs_async_matches_sync(chunked):
     """``make_envs``: async (sharded over 2 workers) and sync give the same stream; ``chunked=False`` gives
     control-step envs with (B, Da) actions."""
     from diffpolicy.config import EnvConfig
-    from diffpolicy.rollout import make_envs
+    from diffpolicy.env_factory import make_envs
 
     runs = {}
     for mode in ("sync", "async"):

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffpolicy import rollout
+from diffpolicy import evaluation
 from diffpolicy.config import EncoderConfig, EnvConfig, EvaluateConfig, PolicyConfig
 from diffpolicy.logger import Logger
+from diffpolicy.policies.base import act
 from diffpolicy.policy_io import build_policy, save_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,12 +24,12 @@ SMALL = PolicyConfig(encoder=EncoderConfig(state_hidden=16, token_dim=16, fusion
                      train_timesteps=20, ddim_steps=4, ft_steps=2)  # fmt: skip
 
 SAMPLING_USERS = [
-    ("diffpolicy.rollout", "evaluate"),
-    ("diffpolicy.rollout", "record_video"),
-    ("diffpolicy.rollout", "collect_rollout"),
+    ("diffpolicy.evaluation", "evaluate"),
+    ("diffpolicy.evaluation", "record_video"),
+    ("diffpolicy.rl.rollout", "collect_rollout"),
 ]
-"""(module, function) pairs that must act through ``rollout.act``. Lead: add the PPO collector of
-``diffpolicy.train`` here if it ever stops being ``rollout.collect_rollout``."""
+"""(module, function) pairs that must act through ``policies.base.act``. Lead: add the PPO collector of
+``diffpolicy.train`` here if it ever stops being ``rl.rollout.collect_rollout``."""
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +46,17 @@ def run(tmp_path_factory):
     return run_dir
 
 
-def test_evaluate_main_uses_rollout_act(run, tmp_path, monkeypatch):
+def test_evaluate_main_uses_shared_act(run, tmp_path, monkeypatch):
     from diffpolicy import evaluate
 
     calls = []
-    real_act = rollout.act
+    real_act = evaluation.act
 
     def counting_act(policy, obs, **kwargs):
         calls.append(kwargs.get("deterministic", False))
         return real_act(policy, obs, **kwargs)
 
-    monkeypatch.setattr(rollout, "act", counting_act)
+    monkeypatch.setattr(evaluation, "act", counting_act)
     cfg = EvaluateConfig(checkpoint=str(run / "checkpoints"), n_episodes=3, num_envs=2, video_episodes=1)
     summary = evaluate.main(cfg, tmp_path)
     assert {"success_rate", "n_episodes", "mean_return"} <= set(summary)
@@ -67,20 +68,20 @@ def test_evaluate_main_uses_rollout_act(run, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("module, function", SAMPLING_USERS)
 def test_one_sampling_path(module, function):
-    """Evaluation and training rollouts call the global ``act`` of rollout.py and never sample on their own."""
+    """Evaluation and training rollouts call the global ``act`` of policies/base.py and never sample on their own."""
     fn = inspect.unwrap(getattr(importlib.import_module(module), function))  # under @torch.no_grad()
     names = fn.__code__.co_names
-    assert "act" in names, f"{module}.{function} does not act through rollout.act"
-    assert fn.__globals__["act"] is rollout.act
+    assert "act" in names, f"{module}.{function} does not act through policies.base.act"
+    assert fn.__globals__["act"] is act
     assert not {"sample", "plan"} & set(names), f"{module}.{function} samples the policy directly"
 
 
 def test_training_entry_point_shares_act():
-    """Hook for the lead: an entry point that imports ``act`` must import rollout's, not define its own."""
+    """Hook for the lead: an entry point that imports ``act`` must import policies.base's, not define its own."""
     for name in ("diffpolicy.train", "diffpolicy.evaluate", "diffpolicy.pretrain"):
         mod = importlib.import_module(name)
         if hasattr(mod, "act"):
-            assert mod.act is rollout.act, f"{name}.act is not diffpolicy.rollout.act"
+            assert mod.act is act, f"{name}.act is not diffpolicy.policies.base.act"
 
 
 def test_evaluate_cli(run, tmp_path):
@@ -99,7 +100,7 @@ def test_evaluate_cli(run, tmp_path):
 
 
 def test_train_and_pretrain_evaluate_bc_alike(run):
-    """One held-out protocol (rollout.held_out): a TrainConfig and a PretrainConfig with the same settings
+    """One held-out protocol (evaluation.held_out): a TrainConfig and a PretrainConfig with the same settings
     score a policy identically, whatever the global RNG holds; with algo.head=residual (both entry points'
     default) or eval_deterministic the chain takes its means, otherwise it samples."""
     from diffpolicy.cli import compose
@@ -113,11 +114,11 @@ def test_train_and_pretrain_evaluate_bc_alike(run):
         for algo in ("residual", "ppo"):
             cfg = compose(name, [*common, f"algo={algo}"])
             torch.manual_seed(len(results))  # a different global RNG state for every evaluation
-            result = rollout.held_out(policy, cfg, Runtime.from_config(cfg.device))
+            result = evaluation.held_out(policy, cfg, Runtime.from_config(cfg.device))
             results[name, algo] = (result.successes, result.mean_return, result.env_steps)
     assert results["train", "residual"] == results["pretrain", "residual"]
     assert results["train", "ppo"] == results["pretrain", "ppo"]
     assert results["train", "residual"][1] != results["train", "ppo"][1]  # means vs samples
     cfg = compose("pretrain", [*common, "algo=ppo", "eval_deterministic=true"])
-    det = rollout.held_out(policy, cfg, Runtime.from_config(cfg.device))
+    det = evaluation.held_out(policy, cfg, Runtime.from_config(cfg.device))
     assert (det.successes, det.mean_return, det.env_steps) == results["train", "residual"]

@@ -91,7 +91,7 @@ def _torch_rollout(policy, venv, seed: int, steps: int) -> np.ndarray:
 
 
 def _check_rollout(ckpt: Path, out_dir: Path, meta: dict) -> None:
-    from diffpolicy.rollout import make_envs
+    from diffpolicy.env_factory import make_envs
 
     policy, env_cfg, _ = load_policy(ckpt, env_overrides={"vectorization": "sync"})
     te = policy.n_action_steps

@@ -10,8 +10,9 @@ import pytest
 import torch
 from gymnasium import spaces
 
-from diffpolicy import rollout
 from diffpolicy.config import EnvConfig
+from diffpolicy.env_factory import ActionChunkWrapper
+from diffpolicy.evaluation import evaluate, write_video
 
 ENV_ID = "diffpolicy-test/Countdown-v0"
 
@@ -60,7 +61,7 @@ def _cfg() -> EnvConfig:
 
 
 def test_chunk_wrapper_stops_at_episode_end_and_sums_rewards() -> None:
-    env = rollout.ActionChunkWrapper(Countdown(), n_action_steps=4)
+    env = ActionChunkWrapper(Countdown(), n_action_steps=4)
     env.reset(seed=0)  # 3 steps to success
     _, reward, term, trunc, info = env.step(np.zeros((4, 2), np.float32))
     assert (reward, term, info["executed"], info["is_success"]) == (3.0, True, 3, True)
@@ -70,7 +71,7 @@ def test_chunk_wrapper_stops_at_episode_end_and_sums_rewards() -> None:
 
 def test_evaluate_counts_successes_that_end_episodes_under_autoreset() -> None:
     policy = ZeroPolicy()
-    result = rollout.evaluate(
+    result = evaluate(
         policy, _cfg(), n_action_steps=2, n_episodes=7, seed=0, num_envs=3, device=torch.device("cpu")
     )
     assert result.episodes == 7 and result.success_rate == 1.0
@@ -82,8 +83,6 @@ def test_evaluate_counts_successes_that_end_episodes_under_autoreset() -> None:
 
 def test_video_falls_back_to_png_frames_without_ffmpeg(tmp_path, monkeypatch, capsys) -> None:
     import imageio.v2 as imageio
-
-    from diffpolicy.rollout import write_video
 
     def no_ffmpeg(*args, **kwargs):
         raise ValueError("Could not find a backend to open the file with mode 'I'")

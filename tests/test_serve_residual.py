@@ -44,7 +44,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 def _envs(path: Path, n: int):
-    from diffpolicy.rollout import make_envs
+    from diffpolicy.env_factory import make_envs
 
     policy, env_cfg, _ = load_policy(path, env_overrides={"vectorization": "sync"})
     return policy, make_envs(env_cfg, policy.n_action_steps, n, seed=11, chunked=False)

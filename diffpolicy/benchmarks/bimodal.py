@@ -4,7 +4,7 @@ The expert passes the obstacle on the left or on the right at random, so the dem
 diffusion policy (state observations, small 1-D U-Net) and the Gaussian MLP baseline (``kind=gaussian``,
 same encoders) are behaviour-cloned on the same demonstrations with the same budget (epochs, batch size,
 learning rate) by :func:`diffpolicy.bc.behaviour_cloning`, then evaluated with
-:func:`diffpolicy.rollout.evaluate` on held-out seeds (deterministic sampling: DDIM with eta = 0 for the
+:func:`diffpolicy.evaluation.evaluate` on held-out seeds (deterministic sampling: DDIM with eta = 0 for the
 diffusion policy, which still draws its initial noise, and the mean chunk for the Gaussian).
 
 ``run(repeats=1, threads=2, **kw) -> dict`` with keys ``diffusion_success``, ``gaussian_success``, wall
@@ -72,7 +72,7 @@ def train_and_evaluate(
     kind: str, demos: Path, s: dict[str, Any], work: Path, runtime: Runtime
 ) -> dict[str, Any]:
     """Behaviour-clone one policy kind on ``demos`` and evaluate it on held-out seeds."""
-    from diffpolicy import rollout
+    from diffpolicy import evaluation
     from diffpolicy.bc import behaviour_cloning
 
     cfg = policy_config(kind, s)
@@ -84,7 +84,7 @@ def train_and_evaluate(
             ENV, cfg, bc_cfg, demos, runtime, log, run_dir, int(s["seed"]), text_backend="hash", checkpoints=0
         )
     t1 = time.perf_counter()
-    result = rollout.evaluate(
+    result = evaluation.evaluate(
         policy,
         ENV,
         n_action_steps=cfg.n_action_steps,

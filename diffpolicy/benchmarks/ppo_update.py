@@ -18,14 +18,15 @@ from diffpolicy.cli import compose
 from diffpolicy.config import AlgoConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo
+from diffpolicy.env_factory import make_envs
 from diffpolicy.models.critic import Critic
 from diffpolicy.policy_io import build_policy, env_spec
 from diffpolicy.rl.buffer import RolloutBuffer
 from diffpolicy.rl.heads import chain_specs
 from diffpolicy.rl.ppo import clip_schedule
+from diffpolicy.rl.rollout import collect_rollout
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
 from diffpolicy.rl.update import Learner, ppo_update
-from diffpolicy.rollout import collect_rollout, make_envs
 
 
 def run(

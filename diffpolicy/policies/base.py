@@ -1,21 +1,25 @@
 """What every policy shares: the sample record, exact Gaussian log-probs, the encoders and acting path
 (:class:`PolicyBase`, whose :meth:`PolicyBase.plan` is the single acting path of training rollouts and
 evaluation: one chunk per decision, the Te executed actions in env units plus the full
-:class:`SampleOutput`), and the receding-horizon :class:`ActionQueue`.
+:class:`SampleOutput`), the receding-horizon :class:`ActionQueue`, and the bridge from environments:
+:func:`to_policy_obs` (batched env observation -> policy observation) and :func:`act` (the one call through
+which evaluation and training rollouts sample, as numpy actions).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from diffpolicy.config import PolicyConfig
 from diffpolicy.encoders.fusion import ObservationEncoder
+from diffpolicy.modalities import MODALITIES
 from diffpolicy.normalizer import MinMaxNormalizer
 
 Obs = Mapping[str, Any]
@@ -163,3 +167,50 @@ class ActionQueue:
         action = self._actions[:, self._next]
         self._next += 1
         return action
+
+
+def to_policy_obs(obs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Batched env observation -> policy observation with a To = 1 history axis.
+
+    ``rgb`` (B, H, W, 3) uint8 -> (B, 1, H, W, 3); ``points`` (B, N, 3) and ``state`` (B, Ds) likewise gain
+    the To axis as float32; ``instruction`` becomes a list of B strings.
+    """
+    out: dict[str, Any] = {}
+    for key, value in obs.items():
+        if key == "instruction":
+            out[key] = [str(s) for s in value]
+        elif key in MODALITIES:
+            t = torch.as_tensor(np.asarray(value), device=device)
+            out[key] = (t if key == "rgb" else t.float()).unsqueeze(1)
+    return out
+
+
+@torch.no_grad()
+def act(
+    policy: Any,
+    obs: dict[str, Any],
+    *,
+    deterministic: bool = False,
+    return_chain: bool = False,
+    autocast: Callable[[], Any] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[np.ndarray, Any]:
+    """The one sampling path of evaluation and training: observation -> the Te executed actions.
+
+    Args:
+        policy: a policy with ``plan(obs, deterministic=, return_chain=) -> (actions (B, Te, Da), out)``.
+        obs: policy observation from :func:`to_policy_obs`.
+        deterministic: DDIM with eta = 0 instead of the stochastic fine-tuned steps.
+        return_chain: keep the chain (B, K'+1, Ta, Da) and its log-probabilities for PPO.
+        autocast: a context factory (the device runtime's ``autocast``) for mixed precision.
+        generator: source of the sampling noise (seeded per iteration for reproducible runs).
+
+    Returns:
+        ``(actions, out)``: actions (B, Te, Da) float32 numpy in env units, and the policy's sample output.
+    """
+    ctx = autocast() if autocast is not None else torch.autocast("cpu", enabled=False)
+    with ctx:
+        actions, out = policy.plan(
+            obs, deterministic=deterministic, return_chain=return_chain, generator=generator
+        )
+    return actions.float().cpu().numpy().astype(np.float32), out

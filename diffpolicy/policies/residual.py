@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from diffpolicy.models.residual import ResidualHead
+from diffpolicy.policies.base import to_policy_obs
 
 
 class ResidualPolicy(nn.Module):
@@ -109,8 +110,6 @@ class StepActor:
     def _plan(
         self, obs: dict[str, Any], idx: np.ndarray, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from diffpolicy.rollout import to_policy_obs
-
         ctx = self.autocast() if self.autocast is not None else torch.autocast("cpu", enabled=False)
         with ctx:
             return self.policy.plan(to_policy_obs(_subset(obs, idx), self.device), generator)
@@ -192,7 +191,7 @@ def evaluate_steps(
     seeded with ``seed``, so the result does not depend on the global RNG. Returns (successes, returns,
     env_steps).
     """
-    from diffpolicy.rollout import step_info
+    from diffpolicy.env_factory import step_info
 
     was_training = policy.training
     policy.eval()

@@ -26,6 +26,7 @@ from diffpolicy import checkpoint
 from diffpolicy.config import TrainConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, seed_for_rank
+from diffpolicy.env_factory import make_envs
 from diffpolicy.modalities import MODALITIES
 from diffpolicy.models.critic import Critic
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
@@ -35,9 +36,9 @@ from diffpolicy.rl.advantages import gae_advantages, grpo_advantages
 from diffpolicy.rl.buffer import TEXT, RolloutBuffer, ppo_specs
 from diffpolicy.rl.ppo import clip_schedule
 from diffpolicy.rl.residual import ResidualLearner, collect_steps, residual_specs, residual_update
+from diffpolicy.rl.rollout import RolloutStats, collect_rollout
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
 from diffpolicy.rl.update import Learner, ppo_update
-from diffpolicy.rollout import RolloutStats, collect_rollout, make_envs
 
 
 def env_seeds(cfg: TrainConfig, base: int) -> list[int]:

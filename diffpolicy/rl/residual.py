@@ -42,12 +42,13 @@ from torch.func import functional_call, jvp
 
 from diffpolicy.config import AlgoConfig
 from diffpolicy.distributed import DistInfo, average_gradients, mean_metrics
+from diffpolicy.env_factory import stack_final_obs, step_info
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
 from diffpolicy.policies.residual import StepActor
 from diffpolicy.rl.advantages import normalize
 from diffpolicy.rl.buffer import RolloutBuffer
 from diffpolicy.rl.ppo import approx_kl, value_loss
-from diffpolicy.rollout import RolloutStats, step_info
+from diffpolicy.rl.rollout import RolloutStats
 
 
 def residual_specs(input_dim: int, action_dim: int) -> dict[str, Any]:
@@ -61,14 +62,6 @@ def residual_specs(input_dim: int, action_dim: int) -> dict[str, Any]:
         "rewards": ((), f32),
         "dones": ((), f32),
         "elapsed": ((), f32),
-    }
-
-
-def _stack(final_obs: Any, index: np.ndarray) -> dict[str, Any]:
-    items = [final_obs[i] for i in index]
-    return {
-        k: [it[k] for it in items] if k == "instruction" else np.stack([np.asarray(it[k]) for it in items])
-        for k in items[0]
     }
 
 
@@ -108,7 +101,7 @@ def collect_steps(
         reward = reward.astype(np.float64)
         cut = np.flatnonzero(trunc & ~term)
         if cut.size:  # bootstrap a time-limit cut into its reward (never across episodes)
-            x_final = actor.peek(_stack(info["final_obs"], cut), cut, generator)
+            x_final = actor.peek(stack_final_obs(info["final_obs"], cut), cut, generator)
             t_final = torch.as_tensor((elapsed[cut] + 1) / max_episode_steps, dtype=torch.float32)
             reward[cut] += gamma * critic(x_final, t_final.to(x.device)).cpu().numpy()
         done = term | trunc

@@ -165,7 +165,7 @@ class ResidualSampler:
     @torch.no_grad()
     def _step(self, obs_batch: dict[str, Any], sessions: list[str]) -> np.ndarray:
         """One control step of distinct sessions: -> (n, Da) float32 env units."""
-        from diffpolicy.rollout import to_policy_obs
+        from diffpolicy.policies.base import to_policy_obs
 
         policy, head, dev = self.policy, self.policy.head, self.runtime.device
         te = policy.n_action_steps

@@ -1,0 +1,113 @@
+"""The chain head's PPO rollout: seeded decisions from vector environments into a rollout buffer.
+
+Every decision acts through :func:`diffpolicy.policies.base.act` (the sampling path of evaluation too) and
+stores the fine-tuned chain and its log-probabilities; :class:`RolloutStats` sums up the episodes it saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from diffpolicy.env_factory import stack_final_obs, step_info
+from diffpolicy.policies.base import act, to_policy_obs
+
+
+@dataclass
+class RolloutStats:
+    """What one PPO rollout saw."""
+
+    env_steps: int = 0
+    """Environment (control) steps executed, summed over environments."""
+    episodes: int = 0
+    """Episodes that ended during the rollout."""
+    successes: int = 0
+    """Of those, successful ones."""
+    returns: list[float] = field(default_factory=list)
+    """Return of every ended episode."""
+
+    @property
+    def success_rate(self) -> float:
+        return self.successes / self.episodes if self.episodes else float("nan")
+
+
+@torch.no_grad()
+def collect_rollout(
+    policy: Any,
+    critic: Any,
+    venv: gym.vector.VectorEnv,
+    buffer: Any,
+    *,
+    n_steps: int,
+    seeds: list[int],
+    gamma: float,
+    device: torch.device,
+    generator: torch.Generator | None = None,
+    autocast: Callable[[], Any] | None = None,
+    first_episode_only: bool = False,
+    bootstrap: bool = True,
+) -> tuple[torch.Tensor, RolloutStats]:
+    """Run T = ``n_steps`` decisions in every environment from a seeded reset, filling ``buffer``.
+
+    Each decision stores the observation, the fine-tuned chain (K'+1, Ta, Da) and its log-probs (K',), the
+    critic's value, the reward (the sum of the executed Te rewards; on a time-limit truncation with
+    ``bootstrap``, ``gamma * V(final obs)`` is added, so GAE never bootstraps across episodes), ``dones``
+    and ``valid`` (0 for decisions after an environment's first episode when ``first_episode_only``, used by
+    GRPO).
+
+    Args:
+        seeds: one reset seed per environment (equal seeds make a GRPO group).
+        bootstrap: fold the critic's value of a time-limit cut into the reward. False for returns that must
+            not depend on a critic (GRPO: its critic is never trained, so V would be noise in the returns).
+
+    Returns:
+        ``(last_value, stats)``: last_value (N,) is V of the observation after the last decision.
+    """
+    obs, _ = venv.reset(seed=seeds)
+    num_envs = len(seeds)
+    stats = RolloutStats()
+    ep_return = np.zeros(num_envs)
+    finished = np.zeros(num_envs, dtype=bool)
+    for _ in range(n_steps):
+        pobs = to_policy_obs(obs, device)
+        actions, out = act(policy, pobs, return_chain=True, autocast=autocast, generator=generator)
+        values = critic(out.cond)  # (N,) fp32
+        next_obs, reward, term, trunc, info = venv.step(actions)
+        reward = reward.astype(np.float64)
+        executed = step_info(info, "executed", num_envs, actions.shape[1])
+        stats.env_steps += int(executed.sum())
+        cut = np.flatnonzero(trunc & ~term)
+        if bootstrap and cut.size:  # fold a cut's bootstrap into the reward (the GAE op's contract)
+            final = to_policy_obs(stack_final_obs(info["final_obs"], cut), device)
+            with autocast() if autocast is not None else torch.autocast("cpu", enabled=False):
+                v_final = critic(policy.encode(final, augment=False))
+            reward[cut] += gamma * v_final.float().cpu().numpy()
+        done = term | trunc
+        valid = ~finished if first_episode_only else np.ones(num_envs, dtype=bool)
+        buffer.add(
+            **{k: v for k, v in obs.items() if k in buffer.fields},
+            chains=out.chain,
+            logprobs=out.log_probs,
+            values=values,
+            rewards=torch.from_numpy(reward.astype(np.float32)),
+            dones=torch.from_numpy(done.astype(np.float32)),
+            valid=torch.from_numpy(valid.astype(np.float32)),
+            **({"cond": out.cond} if "cond" in buffer.fields else {}),
+        )
+        ep_return += reward
+        succ = step_info(info, "is_success", num_envs, False).astype(bool)
+        for i in np.flatnonzero(done & valid):
+            stats.episodes += 1
+            stats.successes += int(succ[i])
+            stats.returns.append(float(ep_return[i]))
+        ep_return[done] = 0.0
+        finished |= done
+        obs = next_obs
+    with autocast() if autocast is not None else torch.autocast("cpu", enabled=False):
+        last_value = critic(policy.encode(to_policy_obs(obs, device), augment=False))
+    return last_value.float(), stats
