@@ -1,7 +1,7 @@
 """Encoder forward + backward throughput per modality at the BC batch size (samples per second).
 
 ``run()`` builds the default ``policy.encoder`` (EncoderConfig) for MujocoPick's multimodal observation --
-rgb (84, 84, 3) uint8, points (512, 6), state (16,), an instruction -- and times, interleaved in one process
+rgb (84, 84, 3) uint8, points (512, 6), state (10,), an instruction -- and times, interleaved in one process
 so that all see the same machine load:
 
 - each modality's encoder alone (``rgb``: preprocessing, augmentation and the ResNet; ``points``: the
@@ -27,7 +27,7 @@ from diffpolicy.config import EncoderConfig, PolicyConfig
 from diffpolicy.encoders.fusion import ObservationEncoder
 from diffpolicy.models.unet1d import ConditionalUnet1D
 
-SPEC = {"rgb": (84, 84, 3), "points": (512, 6), "state": (16,), "instruction": None}
+SPEC = {"rgb": (84, 84, 3), "points": (512, 6), "state": (10,), "instruction": None}
 """MujocoPick-v0's multimodal observation, one step."""
 
 
@@ -38,7 +38,7 @@ def _obs(batch: int, g: torch.Generator) -> dict[str, Any]:
         "points": torch.cat(
             [torch.rand(batch, 1, 512, 3, generator=g) * 0.6, torch.rand(batch, 1, 512, 3)], -1
         ),
-        "state": torch.randn(batch, 1, 16, generator=g),
+        "state": torch.randn(batch, 1, 10, generator=g),
         "instruction": [f"put the {colours[i % 3]} cube in the tray" for i in range(batch)],
     }
 

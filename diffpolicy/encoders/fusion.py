@@ -113,13 +113,10 @@ class ObservationEncoder(nn.Module):
         self.encoders = nn.ModuleDict()
         self.use_text = "instruction" in obs_spec and cfg.use_text
         film = self.use_text and cfg.text_film
-        self.filmed: set[str] = set()
-        """Modalities whose encoder the instruction FiLM-modulates."""
         if "rgb" in obs_spec and cfg.use_rgb:
             self.encoders["rgb"] = RGBEncoder(
                 cfg.rgb_channels, cfg.rgb_keypoints, D, cfg.random_shift, text_dim=D if film else 0
             )
-            self.filmed |= {"rgb"} if film else set()
         if "points" in obs_spec and cfg.use_points:
             self.encoders["points"] = PointCloudEncoder(
                 cfg.point_channels,
@@ -129,7 +126,6 @@ class ObservationEncoder(nn.Module):
                 keypoints=cfg.point_keypoints,
                 text_dim=D if film else 0,
             )
-            self.filmed |= {"points"} if film else set()
         self.state_dim = 0
         if "state" in obs_spec:
             self.state_dim = spec_shape(obs_spec["state"])[-1]
@@ -142,6 +138,8 @@ class ObservationEncoder(nn.Module):
         if not self.encoders and not self.use_text:
             raise ValueError(f"obs_spec {sorted(obs_spec)} has no modality enabled by policy.encoder.use_*")
         self.modalities = [k for k in TENSOR_KEYS if k in self.encoders]
+        self.filmed = {k for k in ("rgb", "points") if film and k in self.encoders}
+        """Modalities whose encoder the instruction FiLM-modulates."""
         self.step_embed = nn.Parameter(torch.zeros(n_obs_steps, D))
         self.type_embed = nn.ParameterDict({k: nn.Parameter(torch.zeros(D)) for k in self.modalities})
         self.readout = nn.Parameter(torch.randn(D) * 0.02)

@@ -72,9 +72,8 @@ class PointCloudEncoder(nn.Module):
 
     def forward(self, points: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         dtype = self.global_proj.weight.dtype
-        xyz = (points[..., :3].float() - self.low) / (
-            self.high - self.low
-        ) * 2 - 1  # (M, N, 3) box -> [-1, 1]
+        span = self.high - self.low
+        xyz = (points[..., :3].float() - self.low) / span * 2 - 1  # (M, N, 3): the box -> [-1, 1]
         if points.shape[-1] >= 6:
             rgb = points[..., 3:6].float() * 2 - 1  # (M, N, 3)
         else:  # an uncoloured cloud: grey

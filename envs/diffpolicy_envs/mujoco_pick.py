@@ -228,7 +228,12 @@ def _as_index(adr: np.ndarray) -> slice | np.ndarray:
 
 
 def depth_to_points(
-    depth: np.ndarray, ray_x: np.ndarray, ray_y: np.ndarray, base_from_cam: np.ndarray, trunc: float
+    depth: np.ndarray,
+    ray_x: np.ndarray,
+    ray_y: np.ndarray,
+    base_from_cam: np.ndarray,
+    trunc: float,
+    rgb: np.ndarray | None = None,
 ) -> np.ndarray:
     """Back-project a pinhole depth image into points of the base frame.
 
@@ -237,15 +242,18 @@ def depth_to_points(
         ray_x, ray_y: (H, W) (u - cx) / fx and (v - cy) / fy of every pixel (u column, v row).
         base_from_cam: (4, 4) pose of the camera (x right, y down, z forward) in the base frame.
         trunc: largest kept depth (m).
+        rgb: optional (H, W, 3) uint8 image of the same camera: each point then carries its pixel's colour.
 
     Returns:
         (M, 3) float64 points, row-major over the kept pixels (the order open3d's
-        ``PointCloud.create_from_depth_image`` gives, which this replaces).
+        ``PointCloud.create_from_depth_image`` gives, which this replaces); (M, 6) with ``rgb``: xyz, then
+        the pixel's r, g, b in [0, 1].
     """
     keep = (depth > 0) & (depth <= trunc)
     z = depth[keep].astype(np.float64)  # (M,)
     cam = np.stack([ray_x[keep] * z, ray_y[keep] * z, z], axis=1)  # (M, 3) camera frame
-    return cam @ base_from_cam[:3, :3].T + base_from_cam[:3, 3]
+    xyz = cam @ base_from_cam[:3, :3].T + base_from_cam[:3, 3]
+    return xyz if rgb is None else np.concatenate([xyz, rgb[keep] / 255.0], axis=1)
 
 
 def voxel_downsample(points: np.ndarray, voxel: float) -> np.ndarray:
@@ -690,11 +698,11 @@ class MujocoPickEnv(gym.Env):
         r.enable_depth_rendering()
         r.render(out=self._depth)
         r.disable_depth_rendering()
-        xyz = depth_to_points(self._depth, self._ray_x, self._ray_y, self._base_from_cam, DEPTH_TRUNC)
-        valid = (self._depth > 0) & (self._depth <= DEPTH_TRUNC)  # the pixels behind xyz, row-major
-        rgb = self._rgb[valid] / 255.0  # (M, 3) each point's pixel colour
-        keep = np.all((xyz >= POINT_BOX_LOW) & (xyz <= POINT_BOX_HIGH), axis=1)
-        pts = voxel_downsample(np.concatenate([xyz[keep], rgb[keep]], axis=1), self.point_voxel)  # (V, 6)
+        pts = depth_to_points(
+            self._depth, self._ray_x, self._ray_y, self._base_from_cam, DEPTH_TRUNC, self._rgb
+        )  # (M, 6) xyz + colour
+        keep = np.all((pts[:, :3] >= POINT_BOX_LOW) & (pts[:, :3] <= POINT_BOX_HIGH), axis=1)
+        pts = voxel_downsample(pts[keep], self.point_voxel)  # (V, 6)
         n, count = self.n_points, len(pts)
         if count == 0:
             self._points[:, :3] = 0.5 * (POINT_BOX_LOW + POINT_BOX_HIGH)
