@@ -1,10 +1,20 @@
 # diffpolicy — the verbs people use. `make train` and `make test` set up what is missing first.
+# Inside an active virtual environment or conda env, use it; otherwise make one in the checkout (.venv),
+# since Debian's and Ubuntu's own Python refuse `pip install` outside one (PEP 668).
+SYSTEM_PYTHON ?= python3
+ifneq ($(VIRTUAL_ENV)$(CONDA_PREFIX),)
 PYTHON ?= python3
+VENV :=
+else
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
+endif
 PIP := $(PYTHON) -m pip
 # The CPU build of torch; on a CUDA machine: make setup TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH_SPEC ?= torch==2.13.0
 APT_PACKAGES := libegl1 libgl1 libegl-mesa0 libgles2
-STAMP := .setup.stamp
+# Inside the venv it describes, so `rm -rf .venv` (or a fresh clone) sets everything up again.
+STAMP := $(if $(VENV),$(VENV)/.setup.stamp,.setup.stamp)
 export MUJOCO_GL ?= egl
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -12,16 +22,25 @@ export TRANSFORMERS_OFFLINE := 1
 .PHONY: setup quick train test test-all bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
-	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+	@PKGS="$(APT_PACKAGES)"; \
+	if [ -n "$(VENV)" ] && [ ! -x "$(PYTHON)" ] && ! $(SYSTEM_PYTHON) -c "import ensurepip" >/dev/null 2>&1; then \
+		PKGS="$$PKGS python3-venv"; \
+	fi; \
+	if command -v dpkg >/dev/null 2>&1 && ! dpkg -s $$PKGS >/dev/null 2>&1; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends $$PKGS; \
 	fi
+	@if [ -n "$(VENV)" ] && [ ! -x "$(PYTHON)" ]; then \
+		echo "creating the virtual environment $(VENV) (activate one first to install elsewhere)"; \
+		rm -rf "$(VENV)"; $(SYSTEM_PYTHON) -m venv "$(VENV)"; \
+	fi
+	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev,deploy]"
 	$(PYTHON) -m diffpolicy.ops || echo "GAE CPU kernel not built; the pure-torch path will be used"
 	@touch $(STAMP)
 
-setup: $(STAMP)  ## install system packages, torch (CPU build), the project and its dev extras
+setup: $(STAMP)  ## system packages, the venv (unless one is active), torch (CPU build), the project + dev extras
 
 quick: $(STAMP)  ## the whole pipeline, small (conf/experiment/quick.yaml): about 2 minutes on 2 cores
 	$(PYTHON) -m diffpolicy.train +experiment=quick $(ARGS)
@@ -49,5 +68,5 @@ format: $(STAMP)
 	$(PYTHON) -m ruff format .
 	$(PYTHON) -m ruff check --fix .
 
-clean:
+clean:  ## remove build outputs and the setup stamp (keeps .venv; `rm -rf .venv` to start over)
 	rm -rf $(STAMP) .pytest_cache .ruff_cache build *.egg-info
