@@ -36,7 +36,7 @@ BC_WEIGHT_DECAY = 1e-6
 BC_FIELDS = {"bc_epochs": "epochs", "bc_batch_size": "batch_size", "bc_lr": "lr", "ema_decay": "ema_decay",
              "n_demos": "n_demos", "bc_max_grad_norm": "max_grad_norm"}  # fmt: skip
 """BCConfig fields that change a BC result (the cache key), under the names the keys were first made with."""
-POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing", "ft_steps", "eta", "min_std")
+POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing", "ft_steps", "ft_fraction", "eta", "min_std")
 """PolicyConfig fields that do not change a BC result (left out of the cache key); the sampling ones are set
 on the loaded policy by :func:`diffpolicy.train.initial_policy` (``DiffusionPolicy.set_sampling``)."""
 LOG_EVERY = 10

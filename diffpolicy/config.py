@@ -11,6 +11,7 @@ Te executed actions per decision, K denoising steps, K' fine-tuned steps, T deci
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,8 +170,9 @@ class PolicyConfig:
     """Channel widths of the U-Net levels."""
     kernel_size: int = 5
     """Temporal convolution kernel of the U-Net."""
-    n_groups: int = 8
-    """GroupNorm groups in the U-Net."""
+    n_groups: int | None = None
+    """GroupNorm groups in the U-Net (null: the largest count up to 8 that divides every width of
+    ``down_dims``; 8 for the shipped U-Nets)."""
     step_embed_dim: int = 128
     """Sinusoidal diffusion-step embedding width."""
     conditioning: str = "film"
@@ -179,14 +181,18 @@ class PolicyConfig:
     """Ta: actions per sampled chunk."""
     n_obs_steps: int = 1
     """To: observation history steps."""
-    n_action_steps: int = 8
-    """Te: actions of a chunk executed before replanning."""
+    n_action_steps: int | None = None
+    """Te: actions of a chunk executed before replanning (null: 8, or Ta when the chunk is shorter)."""
     train_timesteps: int = 100
     """Diffusion steps of the DDPM training schedule."""
-    ddim_steps: int = 10
-    """K: DDIM steps when sampling."""
-    ft_steps: int = 10
-    """K': last DDIM steps that PPO fine-tunes (K' <= K; K' = K fine-tunes the whole chain)."""
+    ddim_steps: int | None = None
+    """K: DDIM steps when sampling (null: 10, or ``train_timesteps`` when the schedule has fewer)."""
+    ft_steps: int | None = None
+    """K': last DDIM steps that PPO fine-tunes, K' <= K (null: ``ft_fraction`` of K, else all K steps, which
+    fine-tunes the whole chain). A value given here wins over ``ft_fraction``."""
+    ft_fraction: float | None = None
+    """K' / K when ``ft_steps`` is null, in (0, 1]: K' = round(ft_fraction * K), at least 1 (DPPO's half
+    chain: 0.5, so K' follows any ``ddim_steps``); null: K' = K."""
     min_std: float = 0.01
     """Lower bound on the std of every stochastic DDIM step (exploration), in normalised action units."""
     eta: float = 1.0
@@ -211,25 +217,43 @@ class PolicyConfig:
             self.encoder = EncoderConfig(**self.encoder)
         if not self.down_dims:
             raise ValueError("policy.down_dims is empty; give at least one level width")
-        for d in self.down_dims:
-            if d <= 0 or d % self.n_groups:
-                raise ValueError(f"policy.down_dims={self.down_dims} must be positive multiples of n_groups")
+        if any(d <= 0 for d in self.down_dims):
+            raise ValueError(f"policy.down_dims={self.down_dims} must be positive widths")
+        if self.n_groups is None:  # derived: GroupNorm needs a count that divides every width
+            self.n_groups = max(g for g in range(1, 9) if all(d % g == 0 for d in self.down_dims))
+        _positive("policy.n_groups", self.n_groups)
+        if any(d % self.n_groups for d in self.down_dims):
+            raise ValueError(
+                f"policy.down_dims={self.down_dims} must be multiples of policy.n_groups={self.n_groups}"
+            )
         _positive("policy.cond_dim", self.cond_dim)
         if self.kernel_size <= 0 or self.kernel_size % 2 == 0:
             raise ValueError(f"policy.kernel_size={self.kernel_size} must be a positive odd number")
         _positive("policy.horizon", self.horizon)
         if self.horizon % (2 ** (len(self.down_dims) - 1)):
             raise ValueError(
-                f"policy.horizon={self.horizon} must be divisible by 2^(levels-1)={2 ** (len(self.down_dims) - 1)}"
+                f"policy.horizon={self.horizon} must be divisible by 2^(len(policy.down_dims)-1)="
+                f"{2 ** (len(self.down_dims) - 1)}"
             )
         _positive("policy.n_obs_steps", self.n_obs_steps)
+        if self.n_action_steps is None:
+            self.n_action_steps = min(8, self.horizon)
         if not 0 < self.n_action_steps <= self.horizon:
             raise ValueError(
                 f"policy.n_action_steps={self.n_action_steps} must lie in [1, horizon={self.horizon}]"
             )
         _positive("policy.train_timesteps", self.train_timesteps)
+        if self.ddim_steps is None:
+            self.ddim_steps = min(10, self.train_timesteps)
         if not 0 < self.ddim_steps <= self.train_timesteps:
-            raise ValueError(f"policy.ddim_steps={self.ddim_steps} must lie in [1, train_timesteps]")
+            raise ValueError(
+                f"policy.ddim_steps={self.ddim_steps} must lie in [1, train_timesteps={self.train_timesteps}]"
+            )
+        if self.ft_fraction is not None:
+            _unit("policy.ft_fraction", self.ft_fraction, open_low=True)
+        if self.ft_steps is None:  # derived from K, so that any ddim_steps works
+            share = 1.0 if self.ft_fraction is None else self.ft_fraction
+            self.ft_steps = min(self.ddim_steps, max(1, math.floor(share * self.ddim_steps + 0.5)))
         if not 0 < self.ft_steps <= self.ddim_steps:
             raise ValueError(f"policy.ft_steps={self.ft_steps} must lie in [1, ddim_steps={self.ddim_steps}]")
         _positive("policy.min_std", self.min_std)
@@ -749,15 +773,40 @@ PRIMARY: dict[str, type] = {
 """Primary config per entry point (``conf/<name>.yaml``) and its dataclass."""
 
 
+POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "ft_steps")
+"""PolicyConfig fields whose null default :meth:`PolicyConfig.__post_init__` derives from other fields."""
+
+
+def _schema(cls: type) -> Any:
+    """``cls`` as a structured config whose derived PolicyConfig fields are null, so that they are derived
+    from the composed values (a dataclass default of ``PolicyConfig()`` has already derived them from its
+    own defaults: ``policy.ddim_steps=4`` would then meet a K' computed for K = 10)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    node = OmegaConf.structured(cls)
+
+    def clear(cfg: DictConfig) -> None:
+        if OmegaConf.get_type(cfg) is PolicyConfig:
+            for name in POLICY_DERIVED:
+                cfg[name] = None
+        for key in cfg:
+            child = cfg._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+                clear(child)
+
+    clear(node)
+    return node
+
+
 def register_configs() -> None:
     """Register every dataclass in Hydra's ConfigStore (schemas ``<name>_schema`` / ``<group>/<x>_schema``)."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     for name, cls in PRIMARY.items():
-        cs.store(name=f"{name}_schema", node=cls)
+        cs.store(name=f"{name}_schema", node=_schema(cls))
     for group, cls in GROUPS.items():
-        cs.store(group=group, name=f"{group}_schema", node=cls)
+        cs.store(group=group, name=f"{group}_schema", node=_schema(cls))
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

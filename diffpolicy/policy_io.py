@@ -28,6 +28,9 @@ from diffpolicy import checkpoint
 from diffpolicy.checkpoint import Checkpoint, CheckpointError
 from diffpolicy.config import ENV_RUNTIME_FIELDS, EncoderConfig, EnvConfig, PolicyConfig
 
+POLICY_FIELDS_ADDED = ("ft_fraction",)
+"""PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults."""
+
 
 def save_policy(
     root: str | Path,
@@ -162,7 +165,12 @@ def policy_config_from(ckpt: Checkpoint, *, allow_missing: bool = False) -> Poli
     if "policy" not in ckpt.config:
         raise CheckpointError(f"checkpoint {ckpt.path} lacks config['policy'] (not a policy checkpoint?)")
     return _dataclass_from(
-        PolicyConfig, ckpt.config["policy"], "policy", ckpt.path, allow_missing=allow_missing
+        PolicyConfig,
+        ckpt.config["policy"],
+        "policy",
+        ckpt.path,
+        allow_missing=allow_missing,
+        defaultable=POLICY_FIELDS_ADDED,
     )
 
 
