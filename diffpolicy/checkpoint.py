@@ -203,8 +203,11 @@ def _json_default(obj: Any) -> Any:
 
 # -------------------------------------------------------------------------------------------------- loading
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory from either itself or a root holding ``latest``; CheckpointError if none."""
+    """A checkpoint directory from itself, a root holding ``latest``, or that ``latest`` pointer (the path
+    ``train`` prints); CheckpointError if none."""
     path = Path(path)
+    if path.name == LATEST and path.is_file():
+        path = path.parent
     if (path / META).is_file():
         return path
     pointer = path / LATEST

@@ -52,6 +52,7 @@ def test_latest_points_at_newest_and_old_ones_pruned(tmp_path) -> None:
         ck.save(tmp_path, step, {"policy": model.state_dict()}, keep=2)
     assert ck.load(tmp_path).step == 4
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000003", "step_00000004"]
+    assert ck.load(tmp_path / "latest").step == 4  # the pointer itself, as train's summary names it
 
 
 def test_crash_mid_write_keeps_previous_latest(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
