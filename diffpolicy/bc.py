@@ -6,7 +6,8 @@ the weights (``bc.ema_decay``) which is what gets saved and evaluated; ``losses/
 TensorBoard / ``metrics.jsonl`` with a progress bar; checkpoints (:mod:`diffpolicy.policy_io`) in
 ``<run_dir>/checkpoints`` during training and at the end. :func:`pretrained_checkpoint` returns the cached
 BC checkpoint ``<cache_dir>/bc/<key>`` for the same env / policy / BC settings and seed, training (and
-caching) it first when there is none.
+caching) it first when there is none; its demonstrations are the scripted expert's or, with ``bc.demos``, a
+dataset on disk (:func:`diffpolicy.demos.demonstrations`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from diffpolicy import checkpoint
 from diffpolicy.config import BCConfig, EnvConfig, PolicyConfig
 from diffpolicy.data.windows import DemoWindows
-from diffpolicy.demos import cached_demos, demos_key
+from diffpolicy.demos import demonstrations, demonstrations_key
 from diffpolicy.device import Runtime
 from diffpolicy.diffusion.schedule import ddpm_loss
 from diffpolicy.logger import Logger
@@ -234,11 +235,14 @@ def behaviour_cloning(
 
 # ------------------------------------------------------------------------------------------------- cache
 def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, bc_cfg: BCConfig, seed: int) -> str:
-    """Short hash naming a cached BC checkpoint: the demonstrations' key, the policy and the BC settings."""
+    """Short hash naming a cached BC checkpoint: the demonstrations' key, the policy and the BC settings
+    (``bc.n_demos`` only when the expert's demonstrations are collected)."""
     policy = {k: v for k, v in dataclasses.asdict(policy_cfg).items() if k not in POLICY_FIELDS_IGNORED}
-    bc = {old: getattr(bc_cfg, new) for old, new in BC_FIELDS.items()}
+    bc = {
+        old: getattr(bc_cfg, new) for old, new in BC_FIELDS.items() if not (bc_cfg.demos and new == "n_demos")
+    }
     blob = json.dumps(
-        {"demos": demos_key(env_cfg, bc_cfg.n_demos, seed), "policy": policy, "bc": bc, "seed": seed},
+        {"demos": demonstrations_key(env_cfg, bc_cfg, seed), "policy": policy, "bc": bc, "seed": seed},
         sort_keys=True,
         default=str,
     )
@@ -260,8 +264,8 @@ def pretrained_checkpoint(
 ) -> Path:
     """The cached BC checkpoint for these settings (``<cache_dir>/bc/<bc_key>``), trained first if missing.
 
-    Demonstrations come from :func:`diffpolicy.demos.cached_demos` (``bc_cfg.n_demos`` episodes from
-    ``seed``). Training logs and intermediate checkpoints go to ``run_dir`` (default
+    Demonstrations come from :func:`diffpolicy.demos.demonstrations` (``bc_cfg.demos`` imported, else
+    ``bc_cfg.n_demos`` expert episodes from ``seed``). Training logs and intermediate checkpoints go to ``run_dir`` (default
     ``<cache_dir>/bc/<key>.run``); only the finished checkpoint is written into the cache, so an interrupted
     run never leaves a half-trained one there. ``progress`` shows progress bars when no ``logger`` is given.
     """
@@ -272,7 +276,7 @@ def pretrained_checkpoint(
     own_logger = logger is None
     logger = logger or Logger(run_dir, tensorboard=False, progress=progress)
     try:
-        demos, _ = cached_demos(env_cfg, bc_cfg.n_demos, seed, cache_dir, progress=logger.progress)
+        demos, _ = demonstrations(env_cfg, bc_cfg, seed, cache_dir, progress=logger.progress)
         policy, metrics = behaviour_cloning(
             env_cfg, policy_cfg, bc_cfg, demos, runtime, logger, run_dir, seed, text_backend=text_backend
         )

@@ -3,6 +3,10 @@
 The dataset goes to ``out`` (or ``<run_dir>/demos``); the summary (last stdout line) is
 ``{"success_rate", "n_episodes", "n_kept", "steps", "path", "wall_time_s"}``. The recording itself is
 :func:`diffpolicy.demos.collect_demos`.
+
+``format=robomimic`` also writes the demonstrations as one robomimic-style HDF5 file for other tools
+(``out``, or ``<run_dir>/demos.hdf5``; :func:`diffpolicy.demos.export_robomimic`), named in the summary as
+``robomimic``; ``path`` is then the native store it was written from, ``<run_dir>/demos``.
 """
 
 from __future__ import annotations
@@ -12,14 +16,21 @@ from typing import Any
 
 from diffpolicy.cli import launch
 from diffpolicy.config import CollectConfig
-from diffpolicy.demos import collect_demos
+from diffpolicy.demos import collect_demos, export_robomimic
 
 
 def main(cfg: CollectConfig, run_dir: Path) -> dict[str, Any]:
     """Collect ``cfg.n_episodes`` expert demonstrations into ``cfg.out`` or ``<run_dir>/demos``."""
     from diffpolicy.logger import Logger
 
-    out = Path(cfg.out) if cfg.out else run_dir / "demos"
+    hdf5 = None
+    if cfg.format == "robomimic":
+        hdf5 = Path(cfg.out) if cfg.out else run_dir / "demos.hdf5"
+        if hdf5.exists():  # before the recording, not after it
+            raise ValueError(f"out={hdf5} already exists; give a new file or remove it")
+        out = run_dir / "demos"
+    else:
+        out = Path(cfg.out) if cfg.out else run_dir / "demos"
     with Logger(run_dir, tensorboard=False) as log:
         summary = collect_demos(
             cfg.env,
@@ -30,6 +41,8 @@ def main(cfg: CollectConfig, run_dir: Path) -> dict[str, Any]:
             progress=log.progress,
         )
         log.log({"rollout/success_rate": summary["success_rate"]}, step=summary["steps"])
+    if hdf5 is not None:
+        summary["robomimic"] = export_robomimic(summary["path"], hdf5)["path"]
     return summary
 
 

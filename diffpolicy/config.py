@@ -263,7 +263,8 @@ class PolicyConfig:
 
 @dataclass
 class BCConfig:
-    """Behaviour cloning from the scripted expert's demonstrations (``bc.*``), before any fine-tuning."""
+    """Behaviour cloning (``bc.*``), before any fine-tuning: from the scripted expert's demonstrations, or from
+    a dataset on disk (``bc.demos``)."""
 
     epochs: int = 80
     """Epochs over the demonstrations. On mujoco_pick's imprecise demo set (3040 steps, ~9 min on 2 cores)
@@ -279,11 +280,24 @@ class BCConfig:
     ema_decay: float = 0.995
     """EMA decay of the weights; the EMA copy is what is saved and evaluated."""
     n_demos: int = 100
-    """Demonstration episodes collected."""
+    """Demonstration episodes collected from the scripted expert (with ``bc.demos``: every episode of the
+    dataset is used instead)."""
+    demos: str = ""
+    """Clone these demonstrations instead of the scripted expert's: a robomimic-style HDF5 file
+    (``data/demo_N/{obs/<key>, actions, rewards, dones}``), a local Minari dataset (``minari:ID``, or its
+    directory) or a dataset in this project's format (:mod:`diffpolicy.demos`); '' collects from the expert.
+    Checked against the environment's spaces and converted into the cache once."""
+    obs_keys: dict[str, list[str]] = field(default_factory=dict)
+    """``bc.demos``: environment observation key -> the dataset's keys whose per-step values, flattened and
+    concatenated in this order, form it (``+bc.obs_keys.state=[qpos,qvel]``); a key not named here is read
+    from the dataset key of the same name."""
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "n_demos"):
             _positive(f"bc.{name}", getattr(self, name))
+        for key, sources in self.obs_keys.items():
+            if not sources:
+                raise ValueError(f"bc.obs_keys.{key} is empty; name the dataset keys that form {key!r}")
         _positive("bc.lr", self.lr)
         _positive("bc.max_grad_norm", self.max_grad_norm, allow_zero=True)
         _unit("bc.ema_decay", self.ema_decay)
@@ -565,7 +579,11 @@ class CollectConfig:
     seed: int = 0
     """First episode seed (episode i uses seed + i)."""
     out: str = ""
-    """Output dataset directory ('' writes ``demos`` in the run directory)."""
+    """Output: the dataset directory (format=native; '' writes ``demos`` in the run directory) or the HDF5 file
+    (format=robomimic; '' writes ``demos.hdf5`` in the run directory)."""
+    format: str = "native"
+    """native (this project's chunked store) | robomimic (robomimic-style HDF5 for other tools; the native
+    store is kept beside it in the run directory)."""
     keep_failures: bool | None = None
     """Also store episodes where the expert failed (null: the environment's ``env.demo_failures``; true or
     false overrides it)."""
@@ -573,6 +591,7 @@ class CollectConfig:
     def __post_init__(self) -> None:
         _positive("n_episodes", self.n_episodes)
         _positive("seed", self.seed, allow_zero=True)
+        _choice("format", self.format, ("native", "robomimic"))
 
 
 @dataclass
@@ -588,7 +607,7 @@ class PretrainConfig:
     seed: int = 0
     """Seed for initialisation and batching."""
     demos: str = ""
-    """Demonstration dataset ('' collects into the cache when missing)."""
+    """The same as ``bc.demos`` (which ``train`` shares), kept for older command lines."""
     cache_dir: str = ""
     """Where demonstrations are cached between runs ('' = $DIFFPOLICY_CACHE, else runs/cache)."""
     eval_episodes: int = 0
@@ -603,6 +622,12 @@ class PretrainConfig:
         self.cache_dir = self.cache_dir or default_cache_dir()
         _positive("seed", self.seed, allow_zero=True)
         _positive("eval_episodes", self.eval_episodes, allow_zero=True)
+        if self.demos and isinstance(self.bc, BCConfig) and self.bc.demos != self.demos:
+            if self.bc.demos:
+                raise ValueError(
+                    f"demos={self.demos} and bc.demos={self.bc.demos} differ; give only bc.demos"
+                )
+            self.bc = dataclasses.replace(self.bc, demos=self.demos)
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """``python -m diffpolicy.pretrain env=mujoco_pick``: behaviour cloning of a policy from expert demonstrations.
 
-Reads top to bottom: the demonstrations (``demos=PATH``, or the cached dataset ``<cache_dir>/demos/<key>``,
-collected first when missing) -> :func:`diffpolicy.bc.behaviour_cloning` -> the result published into the
-BC cache that ``diffpolicy.train`` reads -> the training curve ``bc_loss.png`` and, when
-``eval_episodes > 0``, a held-out success rate measured as ``train`` measures its BC success rate
-(:func:`diffpolicy.evaluation.held_out`).
+Reads top to bottom: the demonstrations (``bc.demos=PATH`` imported into the cache once, or the scripted
+expert's, collected into ``<cache_dir>/demos/<key>`` when missing: :func:`diffpolicy.demos.demonstrations`)
+-> :func:`diffpolicy.bc.behaviour_cloning` -> the result published into the BC cache that
+``diffpolicy.train`` reads (the same ``bc.demos`` there reuses it) -> the training curve ``bc_loss.png``
+and, when ``eval_episodes > 0``, a held-out success rate measured as ``train`` measures its BC success
+rate (:func:`diffpolicy.evaluation.held_out`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from diffpolicy.bc import bc_key, behaviour_cloning, publish
 from diffpolicy.cli import launch
 from diffpolicy.config import PretrainConfig
-from diffpolicy.demos import cached_demos
+from diffpolicy.demos import demonstrations
 from diffpolicy.device import Runtime
 from diffpolicy.logger import Logger
 
@@ -31,20 +32,17 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
     runtime = Runtime.from_config(cfg.device)
     summary: dict[str, Any] = {}
     with Logger(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress) as logger:
-        if cfg.demos:
-            demos = Path(cfg.demos)
-        else:
-            demos, collected = cached_demos(cfg.env, cfg.bc.n_demos, cfg.seed, cfg.cache_dir, logger.progress)
-            summary["demos_collected"] = collected
+        demos, made = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir, logger.progress)
+        summary["demos_imported" if cfg.bc.demos else "demos_collected"] = made
         summary["demos"] = str(demos)
         policy, metrics = behaviour_cloning(
             cfg.env, cfg.policy, cfg.bc, demos, runtime, logger, run_dir, cfg.seed
         )
-        if not cfg.demos:  # same settings as `diffpolicy.train` would pre-train: share the result
-            key = bc_key(cfg.env, cfg.policy, cfg.bc, cfg.seed)
-            summary["cached"] = str(
-                publish(policy, cfg.env, cfg.policy, Path(cfg.cache_dir) / "bc" / key, metrics, demos)
-            )
+        # the settings `diffpolicy.train` would pre-train with: share the result
+        key = bc_key(cfg.env, cfg.policy, cfg.bc, cfg.seed)
+        summary["cached"] = str(
+            publish(policy, cfg.env, cfg.policy, Path(cfg.cache_dir) / "bc" / key, metrics, demos)
+        )
         if cfg.eval_episodes > 0:
             result = held_out(policy, cfg, runtime)
             logger.log({"eval/success_rate": result.success_rate}, metrics["steps"])

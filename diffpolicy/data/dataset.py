@@ -15,6 +15,7 @@ touches and never loads the whole dataset. Fields (per step):
 | field | dtype | shape | content |
 |---|---|---|---|
 | ``action`` | float32 | (Da,) | the action taken at the step (required) |
+| ``reward`` | float32 | () | the reward that action earned (optional; not an observation) |
 | ``state`` | float32 | (Ds,) | proprioception / state observation |
 | ``rgb`` | uint8 | (H, W, 3) | camera image |
 | ``points`` | float32 | (N, 3) | point cloud |
@@ -52,7 +53,10 @@ FORMAT_NAME = "diffpolicy-demos"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 ACTION_KEY = "action"
+REWARD_KEY = "reward"
 INSTRUCTION_KEY = "instruction"
+NON_OBSERVATION_FIELDS = (ACTION_KEY, REWARD_KEY)
+"""Fields of a step that are not observations (every other field is one)."""
 DEFAULT_CHUNK_LEN = 1024
 """Steps per chunk file."""
 META_KEYS = (

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffpolicy.data.dataset import DemoReader
+from diffpolicy.data.dataset import NON_OBSERVATION_FIELDS, DemoReader
 
 
 class DemoWindows:
@@ -23,7 +23,8 @@ class DemoWindows:
         path: dataset directory (:class:`~diffpolicy.data.dataset.DemoWriter` format).
         obs_horizon: To.
         action_horizon: Ta.
-        obs_keys: observation fields to serve (default: every field the dataset has).
+        obs_keys: observation fields to serve (default: every observation field the dataset has; ``action``
+            and ``reward`` are not observations).
     """
 
     def __init__(
@@ -32,7 +33,7 @@ class DemoWindows:
         reader = DemoReader(path)
         self.path = Path(path)
         self.meta = reader.meta
-        fields = [k for k in reader.fields if k != "action"]
+        fields = [k for k in reader.fields if k not in NON_OBSERVATION_FIELDS]
         self.obs_keys = [k for k in (obs_keys or fields) if k in fields]
         self.instructions = list(reader.instructions)
         self.data = {

@@ -43,6 +43,17 @@ class BoxEnvAdapter(gym.Wrapper):
         self.observation_space = spaces.Dict({"state": spaces.Box(low, high, low.shape, np.float32)})
         self.action_space = spaces.Box(-1.0, 1.0, act_space.shape, np.float32)
 
+    @property
+    def source_action_space(self) -> spaces.Box:
+        """The wrapped environment's own action space (its units), which [-1, 1] is rescaled to."""
+        return self.env.action_space
+
+    def to_unit_action(self, action: np.ndarray) -> np.ndarray:
+        """Actions (..., Da) in the wrapped environment's units -> this adapter's [-1, 1] (the inverse of the
+        rescaling in :meth:`step`; not clipped)."""
+        a = np.asarray(action, dtype=np.float64)
+        return 2.0 * (a - self._low) / (self._high - self._low) - 1.0
+
     def _obs(self, obs: np.ndarray) -> dict[str, np.ndarray]:
         return {"state": np.asarray(obs, dtype=np.float32).reshape(-1)}
 

@@ -1,0 +1,407 @@
+"""Demonstrations in other tools' formats: robomimic-style HDF5 files and Minari datasets, read episode by
+episode (:func:`open_source`); and this project's datasets written as robomimic-style HDF5
+(:func:`write_robomimic`).
+
+robomimic-style HDF5, one file (robomimic's own layout)::
+
+    data/                         attrs: total (steps), env_args (JSON: env_name, type, env_kwargs)
+      demo_0/                     attrs: num_samples (L); optional: success (bool), seed (int)
+        actions         (L, Da)
+        rewards         (L,)
+        dones           (L,)      1 at the episode's last step
+        obs/<key>       (L, ...)  the observation each action was taken on
+        next_obs/<key>  (L, ...)  the one after it (the export repeats the last step's own observation)
+      demo_1/ ...
+    mask/                         optional filter keys (not read)
+
+Demos are read in the order of their number N (``demo_2`` before ``demo_10``); a string dataset
+(``obs/instruction``, UTF-8) is read as one text per step.
+
+Minari: a dataset saved by the ``minari`` package, named ``minari:ID`` (looked up among the local datasets,
+under ``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets``: nothing is downloaded) or given by its
+directory. An episode's L + 1 observations give the L that its actions were taken on; a Box observation is
+read as the key ``state``, a Dict one as its keys (nested keys joined by ``/``); its success is the last
+``success`` / ``is_success`` info when it records one.
+
+Every failure to read is one line, :class:`~diffpolicy.data.dataset.DemoFormatError`, starting with the
+source's label (what the user typed). h5py and minari are the optional ``data`` extra, imported only when a
+file of theirs is read. This module imports numpy (and those two) only: no torch, no environments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diffpolicy.data.dataset import (
+    ACTION_KEY,
+    INSTRUCTION_KEY,
+    META_FILE,
+    NON_OBSERVATION_FIELDS,
+    REWARD_KEY,
+    DemoFormatError,
+    DemoReader,
+)
+
+MINARI_PREFIX = "minari:"
+"""``bc.demos=minari:ID`` names a local Minari dataset by its id."""
+ROBOMIMIC_GYM_TYPE = 2
+"""robomimic's ``env_args["type"]`` for gym(nasium) environments (1 is robosuite)."""
+_DEMO_NAME = re.compile(r"demo_(\d+)")
+
+
+@dataclass
+class SourceEpisode:
+    """One episode of L steps as a source holds it (raw units; not yet matched to an environment)."""
+
+    name: str
+    """Where it is in its source, for messages (``demo_3``, ``episode 3``)."""
+    obs: dict[str, Any]
+    """Observation key -> (L, ...) array, or a list of L strings for text."""
+    actions: np.ndarray
+    """(L, Da) in the units of the environment that recorded them."""
+    rewards: np.ndarray | None
+    """(L,), or None when the source has none."""
+    success: bool | None = None
+    seed: int | None = None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _require(module: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DemoFormatError(
+            f'reading this dataset needs the {module!r} package: pip install -e ".[data]"'
+        ) from None
+
+
+def minari_root() -> Path:
+    """Where Minari keeps local datasets: ``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets``."""
+    return Path(os.environ.get("MINARI_DATASETS_PATH") or Path.home() / ".minari" / "datasets")
+
+
+def resolve(spec: str, label: str | None = None) -> tuple[str, Path]:
+    """``(kind, path)`` of a dataset spec: kind ``native`` | ``robomimic`` | ``minari``; path the file or
+    directory to read (for Minari, its ``data`` directory). Raises FileNotFoundError / DemoFormatError
+    starting with ``label`` (default ``spec``)."""
+    label = label or spec
+    if spec.startswith(MINARI_PREFIX):
+        dataset_id = spec[len(MINARI_PREFIX) :]
+        path = minari_root() / dataset_id / "data"
+        if not (path / "metadata.json").is_file():
+            raise FileNotFoundError(
+                f"{label}: no local Minari dataset {dataset_id!r} under {minari_root()} (nothing is "
+                "downloaded; `minari download ID` fetches one, MINARI_DATASETS_PATH moves the root)"
+            )
+        return "minari", path
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{label}: no such file or directory")
+    if path.is_dir():
+        if (path / META_FILE).is_file():
+            return "native", path
+        for data in (path / "data", path):
+            if (data / "metadata.json").is_file():
+                return "minari", data
+        raise DemoFormatError(
+            f"{label} is a directory but neither this project's dataset ({META_FILE}) nor a Minari dataset "
+            "(data/metadata.json)"
+        )
+    return "robomimic", path
+
+
+def fingerprint(spec: str, label: str | None = None) -> dict[str, Any]:
+    """What identifies a dataset's content without reading it: its kind, resolved path, and the size and
+    modification time (ns) of its file or of every file under its directory."""
+    kind, path = resolve(spec, label)
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    stats = [p.stat() for p in files]
+    return {
+        "kind": kind,
+        "path": str(path.resolve()),
+        "files": len(files),
+        "bytes": sum(s.st_size for s in stats),
+        "mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
+    }
+
+
+class DemoSource:
+    """Episodes of one dataset on disk; use as a context manager (closes open files)."""
+
+    kind = ""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def episodes(self) -> Iterator[SourceEpisode]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> DemoSource:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _fail(self, message: str) -> DemoFormatError:
+        return DemoFormatError(f"{self.label}: {message}")
+
+    def _check_lengths(self, name: str, length: int, arrays: dict[str, Any]) -> None:
+        """Every per-step array of an episode has its L = len(actions) steps (else: truncated)."""
+        if length < 1:
+            raise self._fail(f"{name} has no steps")
+        for key, value in arrays.items():
+            if len(value) != length:
+                raise self._fail(f"{name} is truncated: {length} actions but {len(value)} steps of {key}")
+
+
+def open_source(spec: str, label: str | None = None) -> DemoSource:
+    """The dataset ``spec`` names (see the module docstring); ``label`` starts every error message."""
+    label = label or spec
+    kind, path = resolve(spec, label)
+    if kind == "native":
+        return NativeSource(path, label)
+    if kind == "minari":
+        return MinariSource(path, label)
+    return RobomimicSource(path, label)
+
+
+class NativeSource(DemoSource):
+    """This project's chunked store (:mod:`diffpolicy.data.dataset`)."""
+
+    kind = "native"
+
+    def __init__(self, path: Path, label: str) -> None:
+        super().__init__(label)
+        try:
+            self.reader = DemoReader(path)
+        except DemoFormatError as err:
+            raise self._fail(str(err)) from None
+
+    def __len__(self) -> int:
+        return self.reader.num_episodes
+
+    def episodes(self) -> Iterator[SourceEpisode]:
+        meta = self.reader.meta
+        for i in range(self.reader.num_episodes):
+            try:
+                fields = self.reader.episode(i)
+            except (OSError, ValueError) as err:  # a damaged chunk
+                raise self._fail(f"cannot read episode {i} ({_first_line(err)})") from None
+            yield SourceEpisode(
+                name=f"episode {i}",
+                obs={k: v for k, v in fields.items() if k not in NON_OBSERVATION_FIELDS},
+                actions=fields[ACTION_KEY],
+                rewards=fields.get(REWARD_KEY),
+                success=meta["success"][i],
+                seed=meta["seeds"][i],
+            )
+
+
+class RobomimicSource(DemoSource):
+    """A robomimic-style HDF5 file (layout in the module docstring)."""
+
+    kind = "robomimic"
+
+    def __init__(self, path: Path, label: str) -> None:
+        super().__init__(label)
+        h5py = _require("h5py")
+        self._h5py = h5py
+        if path.stat().st_size == 0:
+            raise self._fail("is an empty file (0 bytes), not a robomimic-style HDF5 file")
+        try:
+            self._file = h5py.File(path, "r")
+        except OSError as err:
+            raise self._fail(
+                f"not a readable HDF5 file: empty, truncated or not HDF5 ({_first_line(err)}); bc.demos takes a "
+                "robomimic-style HDF5 file, a Minari dataset or this project's dataset directory"
+            ) from None
+        data = self._file.get("data")
+        if not isinstance(data, h5py.Group):
+            self.close()
+            raise self._fail("has no 'data' group: not a robomimic-style file (data/demo_N/...)")
+        self._data = data
+        matches = [_DEMO_NAME.fullmatch(name) for name in data]
+        self.names = [m.group(0) for m in sorted((m for m in matches if m), key=lambda m: int(m.group(1)))]
+        if not self.names:
+            self.close()
+            raise self._fail("holds no demonstrations (no data/demo_N groups)")
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def close(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+            self._file = None
+
+    def _read(self, group: Any, key: str, name: str) -> Any:
+        item = group.get(key)
+        if not isinstance(item, self._h5py.Dataset):
+            raise self._fail(f"{name} has no dataset {key!r}")
+        try:
+            if self._h5py.check_string_dtype(item.dtype) is not None:
+                return [str(s) for s in item.asstr()[()]]
+            return np.asarray(item[()])
+        except (OSError, ValueError, TypeError) as err:
+            raise self._fail(f"cannot read {name}/{key}: truncated or corrupt ({_first_line(err)})") from None
+
+    def episodes(self) -> Iterator[SourceEpisode]:
+        for name in self.names:
+            group = self._data[name]
+            actions = self._read(group, "actions", name)
+            obs_group = group.get("obs")
+            if not isinstance(obs_group, self._h5py.Group):
+                raise self._fail(f"{name} has no 'obs' group")
+            obs = {key: self._read(obs_group, key, name) for key in obs_group}
+            rewards = self._read(group, "rewards", name) if "rewards" in group else None
+            per_step = {f"obs/{k}": v for k, v in obs.items()}
+            if rewards is not None:
+                per_step["rewards"] = rewards
+            self._check_lengths(name, len(actions), per_step)
+            success = group.attrs.get("success")
+            seed = group.attrs.get("seed")
+            yield SourceEpisode(
+                name=name,
+                obs=obs,
+                actions=actions,
+                rewards=rewards,
+                success=None if success is None else bool(success),
+                seed=None if seed is None else int(seed),
+            )
+
+
+def _flatten_obs(obs: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obs, dict):
+        out: dict[str, Any] = {}
+        for key, value in obs.items():
+            out.update(_flatten_obs(value, f"{prefix}{key}/"))
+        return out
+    return {prefix[:-1] if prefix else "state": obs}
+
+
+class MinariSource(DemoSource):
+    """A dataset saved by the ``minari`` package (its ``data`` directory)."""
+
+    kind = "minari"
+
+    def __init__(self, path: Path, label: str) -> None:
+        super().__init__(label)
+        minari = _require("minari")
+        try:
+            self._dataset = minari.MinariDataset(str(path))
+            n = self._dataset.total_episodes
+        except Exception as err:  # minari raises many kinds (ValueError, KeyError, OSError, AssertionError)
+            raise self._fail(
+                f"not a readable Minari dataset ({type(err).__name__}: {_first_line(err)})"
+            ) from None
+        if n == 0:
+            raise self._fail("holds no episodes")
+
+    def __len__(self) -> int:
+        return int(self._dataset.total_episodes)
+
+    def episodes(self) -> Iterator[SourceEpisode]:
+        for index in range(len(self)):
+            try:
+                episode = self._dataset[index]
+            except Exception as err:
+                raise self._fail(f"cannot read episode {index} ({_first_line(err)})") from None
+            name = f"episode {episode.id}"
+            if isinstance(episode.actions, dict | tuple):
+                raise self._fail(
+                    f"{name} has {type(episode.actions).__name__} actions; only Box actions are read"
+                )
+            actions = np.asarray(episode.actions)
+            length = len(actions)
+            observations = _flatten_obs(episode.observations)
+            for key, value in observations.items():  # L + 1 observations: the last follows the last action
+                if len(value) != length + 1:
+                    raise self._fail(
+                        f"{name} is truncated: {length} actions but {len(value)} observations of {key} "
+                        f"(Minari stores L + 1)"
+                    )
+            obs = {k: np.asarray(v)[:length] for k, v in observations.items()}
+            success = None
+            for key in ("success", "is_success"):
+                if key in episode.infos and len(episode.infos[key]):
+                    success = bool(np.asarray(episode.infos[key])[-1])
+            yield SourceEpisode(name, obs, actions, np.asarray(episode.rewards), success, None)
+
+
+def write_robomimic(
+    source: str | os.PathLike, out: str | os.PathLike, env_args: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write this project's dataset at ``source`` as the robomimic-style HDF5 file ``out`` (atomically: a
+    temporary sibling renamed into place, so ``out`` is either complete or absent).
+
+    ``rewards`` are the recorded ones (zeros where the dataset predates recording them: then
+    ``data.attrs["rewards_recorded"]`` is false); ``dones`` is 1 at each episode's last step; the
+    instruction is ``obs/instruction`` (UTF-8 strings); success and seed become demo attributes.
+
+    Returns:
+        ``{"path", "n_episodes", "steps"}``.
+    """
+    h5py = _require("h5py")
+    reader = DemoReader(source)
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"out={out} already exists; give a new file or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    has_rewards = REWARD_KEY in reader.fields
+    text = h5py.string_dtype("utf-8")
+    try:
+        with h5py.File(tmp, "w") as f:
+            data = f.create_group("data")
+            for i in range(reader.num_episodes):
+                episode = reader.episode(i)
+                length = len(episode[ACTION_KEY])
+                demo = data.create_group(f"demo_{i}")
+                demo.attrs["num_samples"] = length
+                if reader.meta["success"][i] is not None:
+                    demo.attrs["success"] = bool(reader.meta["success"][i])
+                if reader.meta["seeds"][i] is not None:
+                    demo.attrs["seed"] = int(reader.meta["seeds"][i])
+                demo.create_dataset("actions", data=episode[ACTION_KEY])  # (L, Da)
+                rewards = episode[REWARD_KEY] if has_rewards else np.zeros(length, np.float32)
+                demo.create_dataset("rewards", data=rewards)  # (L,)
+                dones = np.zeros(length, np.int64)
+                dones[-1] = 1
+                demo.create_dataset("dones", data=dones)  # (L,)
+                obs, next_obs = demo.create_group("obs"), demo.create_group("next_obs")
+                for key, value in episode.items():
+                    if key in NON_OBSERVATION_FIELDS:
+                        continue
+                    value = np.asarray(value, dtype=text if key == INSTRUCTION_KEY else None)  # (L, ...)
+                    obs.create_dataset(key, data=value)
+                    next_obs.create_dataset(key, data=np.concatenate([value[1:], value[-1:]]))
+            data.attrs["total"] = reader.num_steps
+            data.attrs["env_args"] = json.dumps(env_args or {"env_name": reader.meta["env_id"]})
+            data.attrs["rewards_recorded"] = has_rewards
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return {"path": str(out), "n_episodes": reader.num_episodes, "steps": reader.num_steps}
