@@ -304,29 +304,88 @@ class BCConfig:
 
 
 @dataclass
-class AlgoConfig:
-    """PPO fine-tuning of the last K' denoising steps (and the BC pre-training it starts from)."""
+class LearnerConfig:
+    """What every learner reads (``algo.*``): its name, how long it runs, its step size and the rollback guard.
 
-    name: str = "ppo"
+    Each learner has its own subclass and YAML under ``conf/algo/`` (whose ``defaults`` name the schema), so
+    ``algo=<learner> --cfg job`` shows only the fields that learner reads, and a field of another learner is
+    an unknown key.
+    """
+
+    name: str = "learner"
     """Config-group entry."""
+    head: str = "chain"
+    """What is trained: chain (PPO on the last K' denoising steps, DPPO) | residual (the diffusion policy
+    frozen, a Gaussian MLP correcting each control step's action) | filtered_bc (BC continued on the policy's
+    own successful episodes, rl/filtered_bc.py) | fpo (PPO with the denoising-loss ratio, rl/fpo.py)."""
     iterations: int = 60
-    """PPO iterations (rollout + update)."""
+    """Iterations (rollout + update)."""
+    lr: float = 1e-4
+    """Learning rate of what is trained (the denoiser, the residual head, the whole policy)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 disables)."""
+    rollback_drop: float = 0.3
+    """Roll back to the last stable checkpoint when the training success rate falls this far below its best."""
+
+    def __post_init__(self) -> None:
+        _choice("algo.head", self.head, HEADS)
+        _positive("algo.iterations", self.iterations)
+        _positive("algo.lr", self.lr)
+        _positive("algo.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _unit("algo.rollback_drop", self.rollback_drop)
+
+
+HEADS = ("chain", "residual", "filtered_bc", "fpo")
+"""The learners' heads (``algo.head``)."""
+
+
+@dataclass
+class PPOConfig(LearnerConfig):
+    """The fields of every PPO learner (chain and residual heads): rollout size, critic, GAE, clipping."""
+
     n_steps: int = 16
-    """T: decisions per environment per iteration."""
+    """T: decisions (chain) or control steps (residual) per environment per iteration."""
     update_epochs: int = 4
     """Passes over each iteration's rollout."""
     minibatch_size: int = 64
-    """Decisions per minibatch."""
-    lr: float = 1e-4
-    """Actor (denoiser) learning rate."""
+    """Samples per minibatch."""
     critic_lr: float = 3e-4
     """Critic learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
     gamma: float = 0.99
-    """Discount between decisions."""
+    """Discount between decisions (chain) or control steps (residual)."""
     gae_lambda: float = 0.95
     """GAE lambda."""
+    advantage: str = "gae"
+    """gae (critic + GAE) | grpo (chain only: group-relative, G envs share a seed, no critic)."""
+    clip_eps: float = 0.01
+    """PPO clip range (chain: at the first fine-tuned denoising step)."""
+    clip_eps_final: float = 0.01
+    """Chain: clip range at the final denoising step (linear in between); residual: unused."""
+    norm_adv: bool = True
+    """Normalise advantages per minibatch."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    target_kl: float = 0.05
+    """Stop the update epochs early when the approximate KL exceeds this (0 disables)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("algo.advantage", self.advantage, ("gae", "grpo"))
+        for name in ("n_steps", "update_epochs", "minibatch_size", "critic_lr", "clip_eps", "clip_eps_final"):
+            _positive(f"algo.{name}", getattr(self, name))
+        for name in ("vf_coef", "target_kl"):
+            _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+        for name in ("gamma", "gae_lambda"):
+            _unit(f"algo.{name}", getattr(self, name))
+
+
+@dataclass
+class ChainConfig(PPOConfig):
+    """PPO on the last K' denoising steps of the diffusion policy (``algo=ppo | grpo | dppo``)."""
+
+    name: str = "ppo"
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
     denoise_gamma: float = 1.0
     """Discount along the denoising steps (1 = none)."""
     logprob_min_std: float = 0.0
@@ -339,16 +398,10 @@ class AlgoConfig:
     noise_clip: float = 0.0
     """Clamp of each standard-normal draw z of a stochastic DDIM step to [-noise_clip, noise_clip], in units
     of that step's std, before x = mean + std z (DPPO's randn_clip_value: 3); 0 disables."""
-    clip_eps: float = 0.01
-    """PPO clip range at the first fine-tuned denoising step."""
-    clip_eps_final: float = 0.01
-    """Clip range at the final denoising step (linear in between; larger lets the last step move more)."""
     clip: str = "ppo"
     """ppo (min of clipped and unclipped surrogate) | unconditional (StableDRL: always clip the ratio)."""
     normalize: str = "mean"
     """mean (average over samples) | self (self-normalised weights: divide by the sum of clipped ratios)."""
-    advantage: str = "gae"
-    """gae (critic + GAE over decisions) | grpo (group-relative: G envs share a seed, no critic)."""
     group_size: int = 4
     """G: environments per group for algo.advantage=grpo."""
     group_std: bool = True
@@ -357,14 +410,6 @@ class AlgoConfig:
     critic_warmup: int = 0
     """algo.advantage=gae: iterations at the start that train only the critic (DPPO's n_critic_warmup_itr), so
     that the first policy updates do not follow the advantages of an untrained value function."""
-    norm_adv: bool = True
-    """Normalise advantages per minibatch."""
-    vf_coef: float = 0.5
-    """Weight of the value loss."""
-    target_kl: float = 0.05
-    """Stop the update epochs early when the approximate KL exceeds this (0 disables)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping by global norm."""
     reg: str = "none"
     """Regulariser toward the pre-trained policy, on the minibatch's stored chains: none | kl (closed-form KL of
     each step's Gaussians, which share their std: squared mean gap / 2 sigma^2) | bc (squared gap between the
@@ -375,50 +420,70 @@ class AlgoConfig:
     """Updates in the gradient-norm z-score window."""
     grad_spike_sigma: float = 3.0
     """Warn when the gradient norm's z-score exceeds this."""
-    rollback_drop: float = 0.3
-    """Roll back to the last stable checkpoint when the success rate falls this far below its best."""
     finetune_encoders: bool = False
     """PPO also updates the observation encoders (re-encodes every minibatch: several times slower on a CPU);
     when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
-    head: str = "chain"
-    """What PPO trains: chain (the last K' denoising steps of the diffusion policy, DPPO) | residual (the
-    diffusion policy frozen, a Gaussian MLP correcting each control step's action; T counts control steps)."""
-    residual_alpha: float = 0.1
-    """head=residual: bound of the correction alpha * tanh(u), env action units ([-1, 1] per dimension)."""
-    residual_hidden: list[int] = field(default_factory=lambda: [256, 256])
-    """head=residual: hidden widths of the residual's mean network and of its critic."""
-    residual_init_std: float = 0.2
-    """head=residual: initial std of u (before the tanh); alpha * std is the initial action noise."""
-    ent_coef: float = 0.0
-    """head=residual: weight of the Gaussian's entropy bonus."""
-    residual_l2: float = 0.0
-    """head=residual: weight of the pull toward the base policy, mean ||tanh(mu)||^2 of the correction."""
-    residual_update: str = "trust_region"
-    """head=residual: trust_region (one step down the policy gradient pooled over the batches gathered since
-    the policy last moved, sized to w * max_drift of executed-action change) | ppo (clipped PPO epochs on
-    each batch at Adam learning rate lr * w)."""
-    signal_shuffles: int = 4
-    """head=residual: reference advantages (sign flips or shuffles) whose RMS drift is the noise level of
-    ``losses/signal_drift``."""
-    signal_reference: str = "signs"
-    """head=residual: signs (flip each advantage's sign at random: every sample keeps its own |A|) |
-    shuffle (permute the advantages over the batch)."""
-    signal_scaled_lr: bool = True
-    """head=residual: scale the actor's learning rate by w = clamp(1 - (signal_margin / signal_drift)^2, 0,
-    1) each update, so updates without evidence do not move the policy (false: always the full lr)."""
-    signal_margin: float = 1.25
-    """head=residual: signal_drift at and below which w = 0 (1 = plain James-Stein shrinkage)."""
-    max_drift: float = 0.01
-    """head=residual: trust region, largest RMS change of the executed correction per update (env action
-    units; 0 disables)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head != "chain":
+            raise ValueError(f"algo.head={self.head!r}: a chain learner's head is chain")
         _choice("algo.clip", self.clip, ("ppo", "unconditional"))
         _choice("algo.normalize", self.normalize, ("mean", "self"))
-        _choice("algo.advantage", self.advantage, ("gae", "grpo"))
         _choice("algo.reg", self.reg, ("none", "kl", "bc"))
-        _choice("algo.head", self.head, ("chain", "residual"))
-        if self.head == "residual" and self.advantage != "gae":
+        _positive("algo.group_size", self.group_size)
+        _positive("algo.grad_monitor_window", self.grad_monitor_window)
+        _positive("algo.grad_spike_sigma", self.grad_spike_sigma)
+        for name in ("weight_decay", "reg_coef", "logprob_min_std", "noise_clip", "critic_warmup"):
+            _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+        clamp = list(self.logprob_clamp)
+        if clamp and not (len(clamp) == 2 and clamp[0] < clamp[1]):
+            raise ValueError(
+                f"algo.logprob_clamp={clamp} is not allowed; give [] (off) or [low, high] with low < high"
+            )
+        _unit("algo.denoise_gamma", self.denoise_gamma)
+
+
+@dataclass
+class ResidualConfig(PPOConfig):
+    """Residual PPO over control steps on the frozen BC policy (``algo=residual``)."""
+
+    name: str = "residual"
+    head: str = "residual"
+    residual_alpha: float = 0.1
+    """Bound of the correction alpha * tanh(u), env action units ([-1, 1] per dimension)."""
+    residual_hidden: list[int] = field(default_factory=lambda: [256, 256])
+    """Hidden widths of the residual's mean network and of its critic."""
+    residual_init_std: float = 0.2
+    """Initial std of u (before the tanh); alpha * std is the initial action noise."""
+    ent_coef: float = 0.0
+    """Weight of the Gaussian's entropy bonus."""
+    residual_l2: float = 0.0
+    """Weight of the pull toward the base policy, mean ||tanh(mu)||^2 of the correction."""
+    residual_update: str = "trust_region"
+    """trust_region (one step down the policy gradient pooled over the batches gathered since the policy last
+    moved, sized to w * max_drift of executed-action change) | ppo (clipped PPO epochs on each batch at Adam
+    learning rate lr * w)."""
+    signal_shuffles: int = 4
+    """Reference advantages (sign flips or shuffles) whose RMS drift is the noise level of
+    ``losses/signal_drift``."""
+    signal_reference: str = "signs"
+    """signs (flip each advantage's sign at random: every sample keeps its own |A|) | shuffle (permute the
+    advantages over the batch)."""
+    signal_scaled_lr: bool = True
+    """Scale the actor's learning rate by w = clamp(1 - (signal_margin / signal_drift)^2, 0, 1) each update,
+    so updates without evidence do not move the policy (false: always the full lr)."""
+    signal_margin: float = 1.25
+    """signal_drift at and below which w = 0 (1 = plain James-Stein shrinkage)."""
+    max_drift: float = 0.01
+    """Trust region, largest RMS change of the executed correction per update (env action units; 0
+    disables)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head != "residual":
+            raise ValueError(f"algo.head={self.head!r}: the residual learner's head is residual")
+        if self.advantage != "gae":
             raise ValueError(
                 f"algo.head=residual needs algo.advantage=gae (a critic), got {self.advantage!r}"
             )
@@ -430,32 +495,78 @@ class AlgoConfig:
         _choice("algo.signal_reference", self.signal_reference, ("signs", "shuffle"))
         _positive("algo.signal_shuffles", self.signal_shuffles)
         _positive("algo.signal_margin", self.signal_margin)
-        _positive("algo.ent_coef", self.ent_coef, allow_zero=True)
-        _positive("algo.residual_l2", self.residual_l2, allow_zero=True)
-        _positive("algo.max_drift", self.max_drift, allow_zero=True)
-        for name in ("iterations", "n_steps", "update_epochs", "minibatch_size", "group_size"):
-            _positive(f"algo.{name}", getattr(self, name))
-        _positive("algo.grad_monitor_window", self.grad_monitor_window)
-        for name in ("lr", "critic_lr", "clip_eps", "clip_eps_final", "grad_spike_sigma"):
-            _positive(f"algo.{name}", getattr(self, name))
-        for name in (
-            "weight_decay",
-            "vf_coef",
-            "target_kl",
-            "max_grad_norm",
-            "reg_coef",
-            "logprob_min_std",
-            "noise_clip",
-            "critic_warmup",
-        ):
+        for name in ("ent_coef", "residual_l2", "max_drift"):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
-        clamp = list(self.logprob_clamp)
-        if clamp and not (len(clamp) == 2 and clamp[0] < clamp[1]):
-            raise ValueError(
-                f"algo.logprob_clamp={clamp} is not allowed; give [] (off) or [low, high] with low < high"
-            )
-        for name in ("gamma", "gae_lambda", "denoise_gamma", "rollback_drop"):
-            _unit(f"algo.{name}", getattr(self, name))
+
+
+@dataclass
+class FilteredBCConfig(LearnerConfig):
+    """Success-filtered self-imitation (``algo=filtered_bc``): roll out, keep the successes, continue BC."""
+
+    name: str = "filtered_bc"
+    head: str = "filtered_bc"
+    iterations: int = 10
+    lr: float = 3e-4
+    max_grad_norm: float = 10.0
+    round_episodes: int = 192
+    """Episodes rolled out per round (iteration), on fresh training scenes."""
+    bc_steps: int = 400
+    """BC optimiser steps per round on the demonstrations + kept successes (batch ``bc.batch_size``)."""
+    explore: str = "deterministic"
+    """How rollouts sample: deterministic (every DDIM step's mean, as evaluated) | chain (the stochastic
+    chain)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head != "filtered_bc":
+            raise ValueError(f"algo.head={self.head!r}: the filtered_bc learner's head is filtered_bc")
+        _choice("algo.explore", self.explore, ("deterministic", "chain"))
+        _positive("algo.round_episodes", self.round_episodes)
+        _positive("algo.bc_steps", self.bc_steps)
+
+
+def as_learner(algo: Any) -> LearnerConfig:
+    """``algo`` as its head's learner config: a bare :class:`LearnerConfig` (or a dict) becomes the
+    :data:`LEARNERS` class of its ``head``, keeping the shared fields; a learner config is returned as is."""
+    if isinstance(algo, dict):
+        algo = dict(algo)
+        _choice("algo.head", algo.get("head", "chain"), HEADS)
+        return LEARNERS[algo.get("head", "chain")](**algo)
+    if type(algo) is LearnerConfig:
+        shared = {f.name: getattr(algo, f.name) for f in dataclasses.fields(LearnerConfig)}
+        cls = LEARNERS[algo.head]
+        if shared["name"] == LearnerConfig.name:
+            shared["name"] = cls.name
+        return cls(**shared)
+    return algo
+
+
+@dataclass
+class FPOConfig(PPOConfig):
+    """PPO with the denoising-loss ratio (``algo=fpo``, FPO): the whole denoiser trained with BC's loss."""
+
+    name: str = "fpo"
+    head: str = "fpo"
+    mc_draws: int = 8
+    """M: (t, eps) draws per decision in the ratio exp(mean_i [l_old(i) - l_theta(i)])."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head != "fpo":
+            raise ValueError(f"algo.head={self.head!r}: the fpo learner's head is fpo")
+        if self.advantage != "gae":
+            raise ValueError(f"algo=fpo needs algo.advantage=gae (a critic), got {self.advantage!r}")
+        _positive("algo.mc_draws", self.mc_draws)
+
+
+LEARNERS: dict[str, type] = {
+    "chain": ChainConfig,
+    "fpo": FPOConfig,
+    "residual": ResidualConfig,
+    "filtered_bc": FilteredBCConfig,
+}
+"""Schema of each learner (``conf/algo/<x>.yaml`` names ``<schema>`` in its defaults): head -> dataclass,
+registered as ``algo/<head>_schema``."""
 
 
 @dataclass
@@ -529,7 +640,9 @@ class TrainConfig:
 
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    algo: LearnerConfig = field(default_factory=LearnerConfig)
+    """The learner: a :data:`LEARNERS` schema chosen by ``algo=<entry>`` (a bare LearnerConfig built in
+    Python becomes its head's learner with defaults)."""
     bc: BCConfig = field(default_factory=BCConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -561,7 +674,8 @@ class TrainConfig:
         _positive("checkpoint_every", self.checkpoint_every)
         _positive("eval_episodes", self.eval_episodes)
         _positive("video_episodes", self.video_episodes, allow_zero=True)
-        if isinstance(self.algo, AlgoConfig) and isinstance(self.env, EnvConfig):
+        self.algo = as_learner(self.algo)
+        if isinstance(self.algo, PPOConfig) and isinstance(self.env, EnvConfig):
             if self.algo.advantage == "grpo" and self.env.num_envs % self.algo.group_size:
                 raise ValueError(
                     f"env.num_envs={self.env.num_envs} must be a multiple of algo.group_size={self.algo.group_size}"
@@ -600,7 +714,8 @@ class PretrainConfig:
 
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    algo: LearnerConfig = field(default_factory=LearnerConfig)
+    """The learner ``train`` would start from this BC (decides how BC is evaluated: as that learner acts)."""
     bc: BCConfig = field(default_factory=BCConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -646,11 +761,22 @@ class EvaluateConfig:
     """Episodes recorded to mp4."""
     deterministic: bool = False
     """Every DDIM step's mean only, rather than the stochastic chain that PPO fine-tunes."""
+    reachability_tries: int = 0
+    """Exploratory episodes per failed held-out scene for the reachability measurement (0 skips it)."""
+    explore_std: float = 0.0
+    """Reachability: std of Gaussian action noise (env units) on the deterministic chain; 0 explores with the
+    stochastic chain instead."""
+    explore_hold: str = "step"
+    """Reachability: step (fresh noise every control step, as a per-step residual explores) | chunk (one
+    draw per decision, held over its Te steps: temporally correlated)."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:
         if not self.checkpoint:
             raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
+        _positive("reachability_tries", self.reachability_tries, allow_zero=True)
+        _positive("explore_std", self.explore_std, allow_zero=True)
+        _choice("explore_hold", self.explore_hold, ("step", "chunk"))
         _positive("n_episodes", self.n_episodes)
         _positive("num_envs", self.num_envs)
         _positive("video_episodes", self.video_episodes, allow_zero=True)
@@ -780,7 +906,7 @@ class ServeConfig:
 GROUPS: dict[str, type] = {
     "env": EnvConfig,
     "policy": PolicyConfig,
-    "algo": AlgoConfig,
+    "algo": LearnerConfig,
     "device": DeviceConfig,
     "dist": DistConfig,
 }
@@ -832,6 +958,8 @@ def register_configs() -> None:
         cs.store(name=f"{name}_schema", node=_schema(cls))
     for group, cls in GROUPS.items():
         cs.store(group=group, name=f"{group}_schema", node=_schema(cls))
+    for head, cls in LEARNERS.items():
+        cs.store(group="algo", name=f"{head}_schema", node=_schema(cls))
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

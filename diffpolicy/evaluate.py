@@ -4,7 +4,13 @@ Loads the policy with :func:`diffpolicy.policy_io.load_policy`, runs :func:`diff
 (the sampling path training rollouts use too) on held-out seeds ``eval_seed + i`` (demonstrations use seeds
 from 0), records ``video_episodes`` episodes to ``eval.mp4`` and, when the checkpoint's run directory holds
 a ``metrics.jsonl``, plots its training curve into the run directory. Prints one JSON line last:
-``{"success_rate", "n_episodes", "mean_return", ...}``.
+``{"success_rate", "success_ci", "failures", "n_episodes", "mean_return", ...}`` (``failures``: reason ->
+count of the failed episodes, from the env's ``info["outcome"]``).
+
+``reachability_tries=16`` adds the reachability of the failed scenes: for each held-out scene the policy
+failed, ``reachability_tries`` exploratory episodes (the stochastic chain; ``explore_std`` adds action noise
+held per ``explore_hold`` = step | chunk on top of the deterministic chain) and the fraction of those scenes
+where at least one succeeded (:func:`diffpolicy.evaluation.reachability`).
 """
 
 from __future__ import annotations
@@ -80,12 +86,24 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     )
     summary: dict[str, Any] = {
         "success_rate": result.success_rate,
+        "success_ci": [round(v, 3) for v in result.wilson()],
+        "failures": result.failures(),
         "n_episodes": result.episodes,
         "mean_return": result.mean_return,
         "env_steps": result.env_steps,
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,
     }
+    if cfg.reachability_tries > 0:
+        failed = [cfg.eval_seed + i for i, ok in enumerate(result.successes) if not ok]
+        explore = cfg.explore_std > 0
+        summary["reachability"] = evaluation.reachability(
+            policy, env_cfg, failed, tries=cfg.reachability_tries, n_action_steps=policy.n_action_steps,
+            num_envs=min(cfg.num_envs, max(1, len(failed) * cfg.reachability_tries)), device=runtime.device,
+            deterministic=explore, seed=cfg.eval_seed + 1,
+            exploration=evaluation.Exploration(cfg.explore_std, cfg.explore_hold) if explore else None,
+            autocast=runtime.autocast,
+        )  # fmt: skip
     if cfg.video_episodes > 0:
         video = run_dir / "eval.mp4"
         frames = evaluation.record_video(

@@ -20,20 +20,42 @@ from diffpolicy.config import EnvConfig, PretrainConfig, TrainConfig
 from diffpolicy.env_factory import make_envs, make_one_env, step_info
 from diffpolicy.policies.base import act, to_policy_obs
 
+FAILED = "failed"
+"""Outcome of an unsuccessful episode whose environment reports no ``info["outcome"]``."""
+
 
 @dataclass
 class EvalResult:
-    """Outcome of :func:`evaluate`."""
+    """Outcome of :func:`evaluate`: one entry per episode in ``successes``, ``outcomes`` and ``grasp_miss``."""
 
     success_rate: float
     mean_return: float
     episodes: int
     env_steps: int
     successes: list[bool] = field(default_factory=list)
+    outcomes: list[str] = field(default_factory=list)
+    """Why each episode ended as it did: the env's final ``info["outcome"]`` (MujocoPick: success,
+    wrong_cube, never_grasped, dropped, missed_tray, timed_out), else success / failed."""
+    grasp_miss: list[float] = field(default_factory=list)
+    """The env's final ``info["grasp_miss"]`` (m; NaN when it reports none)."""
 
     def wilson(self, z: float = 1.96) -> tuple[float, float]:
         """95 % Wilson score interval (z = 1.96) of the success rate, (low, high)."""
         return wilson_interval(sum(self.successes), self.episodes, z)
+
+    def failures(self) -> dict[str, int]:
+        """Failed episodes per reason, most frequent first (the failure map)."""
+        return failure_counts(self.successes, self.outcomes)
+
+
+def failure_counts(successes: list[bool], outcomes: list[str]) -> dict[str, int]:
+    """Reason -> count over the failed episodes (reason ``failed`` where none was recorded)."""
+    counts: dict[str, int] = {}
+    for i, ok in enumerate(successes):
+        if not ok:
+            reason = outcomes[i] if i < len(outcomes) and outcomes[i] != "success" else FAILED
+            counts[reason] = counts.get(reason, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -47,6 +69,32 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return (float(max(0.0, centre - half)), float(min(1.0, centre + half)))
 
 
+@dataclass
+class Exploration:
+    """Noise added to a policy's executed actions (env units, clipped to [-1, 1] after adding), to measure what
+    an exploring learner can reach: ``std`` per action entry, drawn afresh every control step (``hold="step"``,
+    like a per-step Gaussian residual) or once per decision and held over its Te steps (``hold="chunk"``,
+    temporally correlated)."""
+
+    std: float = 0.0
+    hold: str = "step"
+
+    def __post_init__(self) -> None:
+        if self.hold not in ("step", "chunk"):
+            raise ValueError(f"exploration hold={self.hold!r} is not allowed; choose step or chunk")
+        if self.std < 0:
+            raise ValueError(f"exploration std={self.std} must be >= 0")
+
+    def apply(self, actions: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """actions (B, Te, Da) -> the same with noise added, clipped to [-1, 1]."""
+        if self.std == 0:
+            return actions
+        B, Te, Da = actions.shape
+        shape = (B, Te, Da) if self.hold == "step" else (B, 1, Da)
+        noise = rng.normal(0.0, self.std, shape).astype(np.float32)
+        return np.clip(actions + noise, -1.0, 1.0)
+
+
 def evaluate(
     policy: Any,
     cfg: EnvConfig,
@@ -58,69 +106,164 @@ def evaluate(
     device: torch.device,
     deterministic: bool = False,
     autocast: Callable[[], Any] | None = None,
+    seeds: list[int] | None = None,
+    exploration: Exploration | None = None,
 ) -> EvalResult:
-    """Success rate over ``n_episodes`` held-out episodes; episode i uses seed ``seed + i``.
+    """Success rate over ``n_episodes`` held-out episodes; episode i uses seed ``seed + i`` (or ``seeds[i]``).
 
     Episodes run in waves of ``num_envs``; each wave resets its environments with the wave's seeds and runs
     until every one of them has finished once (what an environment does after that is ignored). The sampling
-    noise comes from a generator seeded with ``seed``, so the result does not depend on the global RNG: one
-    policy scores the same wherever it is evaluated. A policy
-    that acts per control step (``acts_per_step``: base + residual) runs on control-step environments
-    through :func:`diffpolicy.policies.residual.evaluate_steps` with its deterministic correction.
+    noise (and ``exploration``'s action noise) comes from generators seeded with ``seed``, so the result does
+    not depend on the global RNG: one policy scores the same wherever it is evaluated. A policy that acts per
+    control step (``acts_per_step``: base + residual) runs on control-step environments through
+    :func:`diffpolicy.policies.residual.evaluate_steps` with its deterministic correction (no exploration).
+    Each episode's final ``info["outcome"]`` and ``info["grasp_miss"]`` are kept (the failure map).
     """
+    if seeds is not None:
+        n_episodes = len(seeds)
+    all_seeds = list(seeds) if seeds is not None else [seed + i for i in range(n_episodes)]
     if getattr(policy, "acts_per_step", False):
         from diffpolicy.policies.residual import evaluate_steps
 
         venv = make_envs(cfg, n_action_steps, num_envs, seed, chunked=False)
         try:
-            successes, returns, env_steps = evaluate_steps(
-                policy, venv, n_episodes=n_episodes, seed=seed, num_envs=num_envs, device=device,
-                autocast=autocast,
-            )  # fmt: skip
+            record = evaluate_steps(
+                policy, venv, seeds=all_seeds, seed=seed, num_envs=num_envs, device=device, autocast=autocast
+            )
         finally:
             venv.close()
-        return EvalResult(
-            success_rate=float(np.mean(successes)), mean_return=float(np.mean(returns)),
-            episodes=len(successes), env_steps=env_steps, successes=successes,
-        )  # fmt: skip
+        return _result(record)
     venv = make_envs(cfg, n_action_steps, num_envs, seed)
     was_training = policy.training
     policy.eval()
     gen = torch.Generator(device=device).manual_seed(seed)
-    successes: list[bool] = []
-    returns: list[float] = []
-    env_steps = 0
+    rng = np.random.default_rng(seed)
+    record = EpisodeRecord(num_envs)
     try:
         for start in range(0, n_episodes, num_envs):
-            obs, _ = venv.reset(seed=seed + start)
-            live = np.arange(num_envs) < (n_episodes - start)
-            done = ~live
-            ret = np.zeros(num_envs)
-            succ = np.zeros(num_envs, dtype=bool)
-            while not done.all():
+            wave = all_seeds[start : start + num_envs]
+            live = np.arange(num_envs) < len(wave)
+            obs, _ = venv.reset(seed=wave + [wave[-1]] * (num_envs - len(wave)))
+            record.begin(live)
+            while not record.wave_done:
                 actions, _ = act(
                     policy, to_policy_obs(obs, device), deterministic=deterministic, autocast=autocast,
                     generator=gen,
                 )  # fmt: skip
+                if exploration is not None:
+                    actions = exploration.apply(actions, rng)
                 obs, reward, term, trunc, info = venv.step(actions)
-                active = ~done
-                executed = step_info(info, "executed", num_envs, n_action_steps)
-                env_steps += int(executed[active].sum())
-                ret[active] += reward[active]
-                succ[active] |= step_info(info, "is_success", num_envs, False).astype(bool)[active]
-                done |= term | trunc
-            successes += succ[live].tolist()
-            returns += ret[live].tolist()
+                record.step(reward, term, trunc, info, step_info(info, "executed", num_envs, n_action_steps))
+            record.end()
     finally:
         venv.close()
         policy.train(was_training)
+    return _result(record)
+
+
+class EpisodeRecord:
+    """Per-episode bookkeeping of evaluation waves: returns, success, the final outcome and grasp miss."""
+
+    def __init__(self, num_envs: int) -> None:
+        self.n = num_envs
+        self.successes: list[bool] = []
+        self.returns: list[float] = []
+        self.outcomes: list[str] = []
+        self.grasp_miss: list[float] = []
+        self.env_steps = 0
+
+    def begin(self, live: np.ndarray) -> None:
+        n = self.n
+        self.live, self.done = live, ~live
+        self.ret, self.succ = np.zeros(n), np.zeros(n, dtype=bool)
+        self.outcome, self.miss = np.full(n, FAILED, dtype=object), np.full(n, np.nan)
+
+    @property
+    def wave_done(self) -> bool:
+        return bool(self.done.all())
+
+    def step(self, reward: Any, term: Any, trunc: Any, info: dict[str, Any], executed: Any) -> None:
+        """Account one vector step; ``executed`` (B,) control steps each env ran (1 per step for step envs)."""
+        active = ~self.done
+        n = self.n
+        self.env_steps += int(np.asarray(executed)[active].sum())
+        self.ret[active] += np.asarray(reward)[active]
+        self.succ[active] |= step_info(info, "is_success", n, False).astype(bool)[active]
+        ended = active & (np.asarray(term) | np.asarray(trunc))
+        if ended.any():
+            self.outcome[ended] = step_info(info, "outcome", n, FAILED).astype(object)[ended]
+            self.miss[ended] = step_info(info, "grasp_miss", n, np.nan).astype(float)[ended]
+        self.done |= ended
+
+    def end(self) -> None:
+        live = self.live
+        succ = self.succ[live]
+        outcome = np.where(succ, "success", self.outcome[live])
+        self.successes += succ.tolist()
+        self.returns += self.ret[live].tolist()
+        self.outcomes += [str(o) for o in outcome]
+        self.grasp_miss += self.miss[live].tolist()
+
+
+def _result(record: EpisodeRecord) -> EvalResult:
     return EvalResult(
-        success_rate=float(np.mean(successes)),
-        mean_return=float(np.mean(returns)),
-        episodes=len(successes),
-        env_steps=env_steps,
-        successes=successes,
+        success_rate=float(np.mean(record.successes)),
+        mean_return=float(np.mean(record.returns)),
+        episodes=len(record.successes),
+        env_steps=record.env_steps,
+        successes=record.successes,
+        outcomes=record.outcomes,
+        grasp_miss=record.grasp_miss,
     )
+
+
+def reachability(
+    policy: Any,
+    cfg: EnvConfig,
+    failed_seeds: list[int],
+    *,
+    tries: int,
+    n_action_steps: int,
+    num_envs: int,
+    device: torch.device,
+    deterministic: bool,
+    exploration: Exploration | None = None,
+    seed: int = 0,
+    autocast: Callable[[], Any] | None = None,
+) -> dict[str, Any]:
+    """Of the scenes ``failed_seeds`` (ones a base policy fails), the fraction in which at least one of
+    ``tries`` exploratory episodes succeeds: what a learner exploring that way can ever find to reinforce.
+
+    Exploration is the stochastic chain (``deterministic=False``), action noise on the deterministic chain
+    (``exploration``), or both. Returns ``{"scenes", "tries", "reachable", "reachable_seeds",
+    "success_rate"}`` (success_rate: over all scenes x tries; ``reachable``: the fraction of scenes).
+    """
+    if not failed_seeds:
+        return {
+            "scenes": 0,
+            "tries": tries,
+            "reachable": float("nan"),
+            "reachable_seeds": [],
+            "success_rate": float("nan"),
+        }
+    seeds = [s for s in failed_seeds for _ in range(tries)]
+    res = evaluate(
+        policy, cfg, n_action_steps=n_action_steps, n_episodes=len(seeds), seed=seed, num_envs=num_envs,
+        device=device, deterministic=deterministic, autocast=autocast, seeds=seeds, exploration=exploration,
+    )  # fmt: skip
+    hits = np.asarray(res.successes, dtype=bool).reshape(len(failed_seeds), tries)
+    reached = [s for s, h in zip(failed_seeds, hits.any(1)) if h]
+    return {
+        "scenes": len(failed_seeds),
+        "tries": tries,
+        "reachable": round(len(reached) / len(failed_seeds), 4),
+        "reachable_seeds": reached,
+        "success_rate": round(float(hits.mean()), 4),
+    }
+
+
+DETERMINISTIC_HEADS = ("residual", "filtered_bc")
+"""Learners whose policy acts with every DDIM step's mean, so BC and the result are judged that way."""
 
 
 def held_out(policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any) -> EvalResult:
@@ -129,7 +272,8 @@ def held_out(policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any) -> Ev
     min(``env.num_envs``, episodes) environments, on ``runtime``'s device and autocast. A chain policy takes
     every DDIM step's mean when ``cfg.algo.head`` is residual (the residual's base samples that way: a BC
     policy is judged as the residual head starts from it) or ``cfg.eval_deterministic``, else samples the
-    stochastic chain; a base + residual policy always runs its deterministic base and mean correction."""
+    stochastic chain; a base + residual policy always runs its deterministic base and mean correction.
+    ``algo.head=filtered_bc`` is judged deterministically too (its rollouts default to it)."""
     return evaluate(
         policy,
         cfg.env,
@@ -138,7 +282,7 @@ def held_out(policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any) -> Ev
         seed=cfg.eval_seed,
         num_envs=min(cfg.env.num_envs, cfg.eval_episodes),
         device=runtime.device,
-        deterministic=cfg.algo.head == "residual" or cfg.eval_deterministic,
+        deterministic=cfg.algo.head in DETERMINISTIC_HEADS or cfg.eval_deterministic,
         autocast=runtime.autocast,
     )
 

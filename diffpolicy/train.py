@@ -37,7 +37,7 @@ from diffpolicy.distributed import (
     seed_for_rank,
     sum_metrics,
 )
-from diffpolicy.evaluation import EvalResult, held_out, record_video
+from diffpolicy.evaluation import EvalResult, failure_counts, held_out, record_video
 from diffpolicy.logger import Logger
 from diffpolicy.policy_io import load_policy, save_policy
 from diffpolicy.rl.heads import make_head
@@ -89,11 +89,14 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
     if hasattr(policy, "set_sampling"):  # this run's K', eta and std floor, whatever the checkpoint used
         p = cfg.policy
         policy.set_sampling(ft_steps=p.ft_steps, eta=p.eta, min_std=p.min_std)
-        policy.logprob_min_std = cfg.algo.logprob_min_std
-        policy.logprob_clamp = list(cfg.algo.logprob_clamp)
-        policy.noise_clip = cfg.algo.noise_clip
+        algo = cfg.algo  # the chain learner's log-prob options; others sample without them
+        policy.logprob_min_std = getattr(algo, "logprob_min_std", 0.0)
+        policy.logprob_clamp = list(getattr(algo, "logprob_clamp", []))
+        policy.noise_clip = getattr(algo, "noise_clip", 0.0)
     policy.sampler_backend = "compiled" if cfg.policy.compile else "auto"
-    policy.set_freeze_encoders(cfg.policy.freeze_encoders or not cfg.algo.finetune_encoders)
+    policy.set_freeze_encoders(
+        cfg.policy.freeze_encoders or not getattr(cfg.algo, "finetune_encoders", False)
+    )
     return policy.train(), path
 
 
@@ -127,7 +130,8 @@ def main(cfg: TrainConfig, run_dir: Path) -> dict:
 def fine_tune(
     cfg: TrainConfig, run_dir: Path, rt: Runtime, info: DistInfo, logger: Logger, start: float
 ) -> tuple[dict | None, Any]:
-    """BC evaluation, PPO iterations of ``cfg.algo.head`` (chain or residual), evaluation; -> (summary, head)."""
+    """BC evaluation, iterations of the learner ``cfg.algo.head`` (chain, residual or filtered_bc), evaluation;
+    -> (summary, head)."""
     algo = cfg.algo
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
     policy, init_path = initial_policy(cfg, rt, info, run_dir)
@@ -149,7 +153,10 @@ def fine_tune(
             logger.event("resume", f"resumed from {ckpt.path.name}", env_steps, iteration=first_it)
     broadcast_parameters(head.modules(), info)
     if bc is None:
-        bc = {"successes": held_out(head.policy, cfg, rt).successes} if info.is_main else {"successes": []}
+        bc = {"successes": [], "outcomes": []}
+        if info.is_main:
+            before = held_out(head.policy, cfg, rt)
+            bc = {"successes": before.successes, "outcomes": before.outcomes}
         if info.is_main:
             logger.log({"eval/success_rate": sum(bc["successes"]) / len(bc["successes"])}, step=0)
     head.begin()
@@ -157,6 +164,7 @@ def fine_tune(
     # ---- PPO: one loop, either head
     window = [0.0, 0.0]  # successes and episodes since the last checkpoint (a restart begins a new window)
     ppo_time, ppo_steps = 0.0, 0
+    split = [0.0, 0.0, 0.0]  # this process's seconds of env stepping, policy sampling and updates
     try:
         iterations = logger.progress(
             range(first_it, algo.iterations), total=algo.iterations - first_it, desc="ppo"
@@ -175,12 +183,16 @@ def fine_tune(
             window[1] += counts["ep"]
             t_total = time.perf_counter() - t_it
             ppo_time, ppo_steps = ppo_time + t_total, ppo_steps + int(counts["n"])
+            split = [split[0] + stats.env_s, split[1] + stats.policy_s, split[2] + t_total - t_roll]
             metrics = mean_metrics(losses, info, rt.device)
             metrics.update({
                 "rollout/success_rate": counts["ok"] / counts["ep"] if counts["ep"] else float("nan"),
                 "rollout/episodes": counts["ep"],
                 "rollout/mean_return": sum(stats.returns) / max(len(stats.returns), 1),
                 "time/rollout_s": t_roll,
+                "time/policy_s": stats.policy_s,
+                "time/env_s": stats.env_s,
+                "time/update_s": t_total - t_roll,
                 "time/iteration_s": t_total,
                 "time/sps": counts["n"] / t_total,
                 "train/iteration": it + 1,
@@ -216,9 +228,18 @@ def fine_tune(
             "bc_ci": [round(v, 3) for v in EvalResult(bc_rate, 0.0, n_bc, 0, bc["successes"]).wilson()],
             "ppo_ci": [round(v, 3) for v in after.wilson()],
             "eval_episodes": after.episodes,
+            "failures": {
+                "bc": failure_counts(bc["successes"], bc.get("outcomes", [])),
+                "ppo": after.failures(),
+            },
             "head": algo.head,
             "env_steps": env_steps,
             "env_sps": round(ppo_steps / ppo_time, 1) if ppo_time > 0 else None,
+            "time_split_s": {
+                "env": round(split[0], 1),
+                "policy": round(split[1], 1),
+                "update": round(split[2], 1),
+            },
             "iterations": algo.iterations,
             "world_size": info.world_size,
             "checkpoint": str(ckpt_root / "latest"),

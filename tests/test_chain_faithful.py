@@ -15,7 +15,7 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from diffpolicy.cli import compose
-from diffpolicy.config import AlgoConfig, DeviceConfig, EncoderConfig, PolicyConfig
+from diffpolicy.config import ChainConfig, DeviceConfig, EncoderConfig, PolicyConfig
 from diffpolicy.device import Runtime
 from diffpolicy.diffusion.sampler import ddim_sample, ddim_sample_reference
 from diffpolicy.distributed import DistInfo
@@ -192,13 +192,13 @@ def test_noise_clip_bounds_every_draw() -> None:
 
 
 def test_config_fields_are_validated() -> None:
-    assert AlgoConfig().logprob_clamp == [] and AlgoConfig().noise_clip == 0.0  # off unless asked
+    assert ChainConfig().logprob_clamp == [] and ChainConfig().noise_clip == 0.0  # off unless asked
     with pytest.raises(ValueError, match="logprob_clamp"):
-        AlgoConfig(logprob_clamp=[2.0, -5.0])
+        ChainConfig(logprob_clamp=[2.0, -5.0])
     with pytest.raises(ValueError, match="logprob_clamp"):
-        AlgoConfig(logprob_clamp=[1.0])
+        ChainConfig(logprob_clamp=[1.0])
     with pytest.raises(ValueError, match="noise_clip"):
-        AlgoConfig(noise_clip=-1.0)
+        ChainConfig(noise_clip=-1.0)
 
 
 # ------------------------------------------------------------------ (4) every step bounded by target_kl
@@ -220,7 +220,7 @@ def _update(lr: float, target_kl: float) -> tuple[dict, dict, dict, Learner]:
     snapshot.capture()
     before = copy.deepcopy(p.state_dict())
     adv = torch.randn(T, N, generator=torch.Generator().manual_seed(9))
-    cfg = AlgoConfig(update_epochs=3, minibatch_size=8, target_kl=target_kl, lr=lr)
+    cfg = ChainConfig(update_epochs=3, minibatch_size=8, target_kl=target_kl, lr=lr)
     metrics = ppo_update(
         learner, buffer, adv, torch.zeros(T, N), cfg, clip_eps=torch.full((KP,), 0.01),
         runtime=Runtime.from_config(DeviceConfig(type="cpu")), info=DistInfo(),

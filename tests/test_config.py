@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -50,7 +51,8 @@ def test_checkpoint_entry_points_compose_and_require_one(name: str, compose) -> 
     ("override", "field"),
     [
         ("algo.gamma=1.5", "algo.gamma"),
-        ("algo.clip=sometimes", "algo.clip"),
+        ("algo=ppo algo.clip=sometimes", "algo.clip"),
+        ("algo=filtered_bc algo.explore=wander", "algo.explore"),
         ("env.num_envs=0", "env.num_envs"),
         ("policy.ft_steps=50", "policy.ft_steps"),
         ("policy.kernel_size=4", "policy.kernel_size"),
@@ -60,8 +62,43 @@ def test_checkpoint_entry_points_compose_and_require_one(name: str, compose) -> 
 )
 def test_out_of_range_names_the_field(override: str, field: str, compose) -> None:
     with pytest.raises(ValueError, match=field.replace(".", r"\.")) as info:
-        compose("train", [override])
+        compose("train", override.split())
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("algo", "cls", "own", "foreign"),
+    [
+        ("ppo", "ChainConfig", "logprob_clamp", "residual_alpha"),
+        ("grpo", "ChainConfig", "group_size", "bc_steps"),
+        ("dppo", "ChainConfig", "noise_clip", "max_drift"),
+        ("residual", "ResidualConfig", "max_drift", "logprob_clamp"),
+        ("filtered_bc", "FilteredBCConfig", "bc_steps", "clip_eps"),
+        ("fpo", "FPOConfig", "mc_draws", "logprob_clamp"),
+    ],
+)
+def test_each_learner_has_its_own_config(algo: str, cls: str, own: str, foreign: str, compose) -> None:
+    """algo=<x> composes that learner's schema: its own fields, none of another learner's."""
+    cfg = compose("train", [f"algo={algo}"])
+    assert type(cfg.algo) is getattr(C, cls) and cfg.algo.name == algo
+    assert hasattr(cfg.algo, own) and not hasattr(cfg.algo, foreign)
+    with pytest.raises(Exception, match=foreign):
+        compose("train", [f"algo={algo}", f"algo.{foreign}=1"])
+
+
+def test_every_algo_yaml_names_its_schema_and_sources() -> None:
+    """Each conf/algo/*.yaml composes a learner schema and says in a comment where its values come from."""
+    for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "algo").glob("*.yaml")):
+        text = path.read_text()
+        assert "_schema" in text, path.name
+        assert text.lstrip().startswith("#"), path.name
+
+
+def test_bare_learner_config_becomes_its_heads_learner() -> None:
+    """A TrainConfig built in Python without a learner gets the chain learner with the given shared fields."""
+    cfg = C.TrainConfig(algo=C.LearnerConfig(lr=5e-5))
+    assert type(cfg.algo) is C.ChainConfig and cfg.algo.lr == 5e-5 and cfg.algo.name == "ppo"
+    assert type(C.TrainConfig(algo=C.LearnerConfig(head="filtered_bc")).algo) is C.FilteredBCConfig
 
 
 def test_unknown_key_and_wrong_type_fail(compose) -> None:
@@ -76,7 +113,7 @@ def test_dataclass_validation_in_python() -> None:
         C.PolicyConfig(horizon=60, down_dims=[8, 16, 32, 64])
     with pytest.raises(ValueError, match="checkpoint is required"):
         C.EvaluateConfig()
-    ok = dataclasses.replace(C.AlgoConfig(), lr=1e-3)
+    ok = dataclasses.replace(C.ChainConfig(), lr=1e-3)
     assert ok.lr == 1e-3
 
 

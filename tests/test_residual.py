@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.config import AlgoConfig
+from diffpolicy.config import ResidualConfig
 from diffpolicy.distributed import DistInfo
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
 from diffpolicy.rl.residual import (
@@ -135,7 +135,7 @@ def _update(head: ResidualHead, strength: float, seed: int, **cfg_kw) -> tuple[d
         "x": x.view(64, 16, -1), "u": u.view(64, 16, -1), "logprobs": logp.view(64, 16),
         "elapsed": torch.zeros(64, 16),
     }  # fmt: skip
-    cfg = AlgoConfig(
+    cfg = ResidualConfig(
         update_epochs=2, minibatch_size=256, target_kl=0.0, **{"residual_update": "ppo", **cfg_kw}
     )
     out = residual_update(
@@ -187,7 +187,7 @@ def test_rollback_trust_halves_the_step() -> None:
     x, u, adv, _ = _batch(head, 0, 3.0, n=1024)
     data = {"x": x.view(64, 16, -1), "u": u.view(64, 16, -1), "logprobs": torch.zeros(64, 16)}
     data["elapsed"] = torch.zeros(64, 16)
-    cfg = AlgoConfig(update_epochs=2, minibatch_size=256, max_drift=0.004)
+    cfg = ResidualConfig(update_epochs=2, minibatch_size=256, max_drift=0.004)
     half = residual_update(
         learner,
         data,
@@ -207,7 +207,7 @@ def test_trust_region_pools_batches_while_the_policy_stands_still() -> None:
     learner = ResidualLearner(
         head, critic, torch.optim.Adam(head.parameters()), torch.optim.Adam(critic.parameters())
     )
-    cfg = AlgoConfig(update_epochs=1, minibatch_size=256, signal_margin=1e6)  # never enough evidence
+    cfg = ResidualConfig(update_epochs=1, minibatch_size=256, signal_margin=1e6)  # never enough evidence
     for seed in range(3):
         x, u, adv, _ = _batch(head, seed, 0.5, n=512)
         data = {"x": x.view(32, 16, -1), "u": u.view(32, 16, -1), "logprobs": torch.zeros(32, 16)}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diffpolicy.cli import compose
-from diffpolicy.config import AlgoConfig
+from diffpolicy.config import ChainConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo
 from diffpolicy.env_factory import make_envs
@@ -48,7 +48,7 @@ def run(
     spec, da = env_spec(cfg.env)
     pol = build_policy(cfg.policy, spec, da)
     critic = Critic(cfg.policy.cond_dim)
-    algo = AlgoConfig(
+    algo = ChainConfig(
         update_epochs=1, minibatch_size=minibatch_size, target_kl=0.0, n_steps=n_steps, iterations=1
     )
     learner = Learner(

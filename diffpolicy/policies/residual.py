@@ -178,48 +178,38 @@ def evaluate_steps(
     policy: ResidualPolicy,
     venv: Any,
     *,
-    n_episodes: int,
+    seeds: list[int],
     seed: int,
     num_envs: int,
     device: torch.device,
     autocast: Callable[[], Any] | None = None,
-) -> tuple[list[bool], list[float], int]:
+) -> Any:
     """Held-out episodes of a base + residual policy with the head's mean correction (deterministic).
 
-    Episode i uses seed ``seed + i``; episodes run in waves of ``num_envs`` control-step environments, each
+    Episode i uses seed ``seeds[i]``; episodes run in waves of ``num_envs`` control-step environments, each
     wave until all its live environments finished once; the base's starting noise comes from a generator
-    seeded with ``seed``, so the result does not depend on the global RNG. Returns (successes, returns,
-    env_steps).
+    seeded with ``seed``, so the result does not depend on the global RNG. Returns the filled
+    :class:`diffpolicy.evaluation.EpisodeRecord`.
     """
-    from diffpolicy.env_factory import step_info
+    from diffpolicy.evaluation import EpisodeRecord
 
     was_training = policy.training
     policy.eval()
     actor = StepActor(policy, num_envs, device, autocast)
-    successes: list[bool] = []
-    returns: list[float] = []
-    env_steps = 0
     gen = torch.Generator(device=device).manual_seed(seed)
+    record = EpisodeRecord(num_envs)
     try:
-        for start in range(0, n_episodes, num_envs):
-            obs, _ = venv.reset(seed=seed + start)
+        for start in range(0, len(seeds), num_envs):
+            wave = seeds[start : start + num_envs]
+            obs, _ = venv.reset(seed=wave + [wave[-1]] * (num_envs - len(wave)))
             actor.reset()
-            live = np.arange(num_envs) < (n_episodes - start)
-            done = ~live
-            ret = np.zeros(num_envs)
-            succ = np.zeros(num_envs, dtype=bool)
-            while not done.all():
+            record.begin(np.arange(num_envs) < len(wave))
+            while not record.wave_done:
                 actions, _ = actor.act(obs, deterministic=True, generator=gen)
                 obs, reward, term, trunc, info = venv.step(actions)
-                active = ~done
-                env_steps += int(active.sum())
-                ret[active] += reward[active]
-                succ[active] |= step_info(info, "is_success", num_envs, False).astype(bool)[active]
-                ended = term | trunc
-                actor.reset(ended)
-                done |= ended
-            successes += succ[live].tolist()
-            returns += ret[live].tolist()
+                record.step(reward, term, trunc, info, np.ones(num_envs, dtype=int))
+                actor.reset(term | trunc)
+            record.end()
     finally:
         policy.train(was_training)
-    return successes, returns, env_steps
+    return record

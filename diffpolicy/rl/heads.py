@@ -43,8 +43,8 @@ from diffpolicy.rl.update import Learner, ppo_update
 
 def env_seeds(cfg: TrainConfig, base: int) -> list[int]:
     """Reset seed per environment; GRPO puts G consecutive environments on the same seed (a group)."""
-    n, g = cfg.env.num_envs, cfg.algo.group_size
-    if cfg.algo.advantage == "grpo":
+    n, g = cfg.env.num_envs, getattr(cfg.algo, "group_size", 1)
+    if getattr(cfg.algo, "advantage", "gae") == "grpo":
         return [base + i // g for i in range(n)]
     return [base + i for i in range(n)]
 
@@ -309,4 +309,12 @@ def make_head(cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger
     """The head ``cfg.algo.head`` names, around the pre-trained ``policy``."""
     if cfg.algo.head == "residual":
         return ResidualPPOHead(cfg, rt, info, policy, logger)
+    if cfg.algo.head == "fpo":
+        from diffpolicy.rl.fpo import FPOHead
+
+        return FPOHead(cfg, rt, info, policy, logger)
+    if cfg.algo.head == "filtered_bc":
+        from diffpolicy.rl.filtered_bc import FilteredBCHead
+
+        return FilteredBCHead(cfg, rt, info, policy, logger)
     return ChainHead(cfg, rt, info, policy, logger)

@@ -31,6 +31,7 @@ loop's rollback guard restores the last stable weights it also halves the trust 
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, jvp
 
-from diffpolicy.config import AlgoConfig
+from diffpolicy.config import ResidualConfig
 from diffpolicy.distributed import DistInfo, average_gradients, mean_metrics
 from diffpolicy.env_factory import stack_final_obs, step_info
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
@@ -91,13 +92,17 @@ def collect_steps(
     ep_return = np.zeros(n)
     stats = RolloutStats()
     for _ in range(n_steps):
+        t0 = time.perf_counter()
         x, base = actor.inputs(obs, generator)
         u, logp = head.sample(x, generator=generator)
         actions = head.correct(base, u)
         actor.pos += 1
         frac = torch.as_tensor(elapsed / max_episode_steps, dtype=torch.float32, device=x.device)
         values = critic(x, frac)
-        obs_next, reward, term, trunc, info = venv.step(actions.cpu().numpy())
+        actions = actions.cpu().numpy()
+        t1 = time.perf_counter()
+        obs_next, reward, term, trunc, info = venv.step(actions)
+        stats.policy_s, stats.env_s = stats.policy_s + t1 - t0, stats.env_s + time.perf_counter() - t1
         reward = reward.astype(np.float64)
         cut = np.flatnonzero(trunc & ~term)
         if cut.size:  # bootstrap a time-limit cut into its reward (never across episodes)
@@ -278,7 +283,7 @@ def residual_update(
     data: dict[str, Tensor],
     advantages: Tensor,
     returns: Tensor,
-    cfg: AlgoConfig,
+    cfg: ResidualConfig,
     *,
     generator: torch.Generator,
     info: DistInfo,
@@ -361,7 +366,7 @@ def _critic_epochs(
     x: Tensor,
     elapsed: Tensor,
     ret: Tensor,
-    cfg: AlgoConfig,
+    cfg: ResidualConfig,
     generator: torch.Generator,
     info: DistInfo,
 ) -> float:
@@ -390,7 +395,7 @@ def _ppo_epochs(
     u: Tensor,
     old_logp: Tensor,
     adv_all: Tensor,
-    cfg: AlgoConfig,
+    cfg: ResidualConfig,
     w: float,
     generator: torch.Generator,
     info: DistInfo,

@@ -6,6 +6,7 @@ stores the fine-tuned chain and its log-probabilities; :class:`RolloutStats` sum
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,10 @@ class RolloutStats:
     """Of those, successful ones."""
     returns: list[float] = field(default_factory=list)
     """Return of every ended episode."""
+    policy_s: float = 0.0
+    """Seconds spent sampling the policy (and critic) during the rollout."""
+    env_s: float = 0.0
+    """Seconds spent stepping the environments during the rollout."""
 
     @property
     def success_rate(self) -> float:
@@ -74,10 +79,13 @@ def collect_rollout(
     ep_return = np.zeros(num_envs)
     finished = np.zeros(num_envs, dtype=bool)
     for _ in range(n_steps):
+        t0 = time.perf_counter()
         pobs = to_policy_obs(obs, device)
         actions, out = act(policy, pobs, return_chain=True, autocast=autocast, generator=generator)
         values = critic(out.cond)  # (N,) fp32
+        t1 = time.perf_counter()
         next_obs, reward, term, trunc, info = venv.step(actions)
+        stats.policy_s, stats.env_s = stats.policy_s + t1 - t0, stats.env_s + time.perf_counter() - t1
         reward = reward.astype(np.float64)
         executed = step_info(info, "executed", num_envs, actions.shape[1])
         stats.env_steps += int(executed.sum())

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from diffpolicy.config import AlgoConfig
+from diffpolicy.config import ChainConfig
 from diffpolicy.distributed import DistInfo, average_gradients, mean_metrics
 from diffpolicy.modalities import KEYS
 from diffpolicy.rl.advantages import denoise_discount, normalize
@@ -75,7 +75,7 @@ def ppo_update(
     buffer: RolloutBuffer,
     advantages: Tensor,
     returns: Tensor,
-    cfg: AlgoConfig,
+    cfg: ChainConfig,
     *,
     clip_eps: Tensor,
     runtime: Any,
@@ -250,7 +250,7 @@ def _critic_step(
     mb: dict[str, Tensor],
     obs: dict[str, Any] | None,
     reuse_cond: bool,
-    cfg: AlgoConfig,
+    cfg: ChainConfig,
     runtime: Any,
     info: DistInfo,
     sums: dict[str, float],

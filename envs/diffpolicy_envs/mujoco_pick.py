@@ -78,7 +78,20 @@ weighted sum), default ``5.0 * success + 0.8 * distance_improvement + 0.2 * smoo
 | ``smoothness`` | minus the Euclidean norm of the change of the (clipped) action since the last step |
 
 ``info`` also holds ``is_success`` (bool), ``target_id`` (0 red, 1 green, 2 blue), ``target_color``,
-``instruction``, ``grasped`` (both jaws touch the target cube) and ``obs_age``. Episodes truncate after 120
+``instruction``, ``grasped`` (both jaws touch the target cube), ``obs_age``, and what the episode would be
+called if it ended now, ``outcome`` (one of :data:`OUTCOMES`):
+
+| outcome | when |
+|---|---|
+| ``success`` | the target cube rests in the tray, released |
+| ``wrong_cube`` | the target was never grasped, another cube was (held between both jaws) |
+| ``never_grasped`` | the target was never grasped though the gripper closed; ``grasp_miss`` says by how far |
+| ``dropped`` | the grasp on the target was lost with the tool point away from the tray |
+| ``missed_tray`` | the target was let go above or beside the tray, and does not rest in it |
+| ``timed_out`` | the time ran out first: the gripper never closed, the cube is still held, or it lies in the tray unreleased or still moving |
+
+``grasp_miss`` (m) is the least distance between the tool point and the target cube's centre over the steps
+on which the gripper was commanded closed before the first grasp (NaN until it closes). Episodes truncate after 120
 steps (``max_episode_steps`` of the registration); the scripted expert needs 45-85 (mean about 63).
 """
 
@@ -98,6 +111,10 @@ import mujoco
 import numpy as np
 from gymnasium import spaces
 
+OUTCOMES = ("success", "wrong_cube", "never_grasped", "dropped", "missed_tray", "timed_out")
+"""Values of ``info["outcome"]``: how the episode would end if it ended on this step."""
+NEAR_TRAY = 0.03
+"""Margin (m) beyond the tray's inner half width within which a lost grasp counts as ``missed_tray``."""
 COLORS = ("red", "green", "blue")
 """Cube colours; the index is the ``target_id``."""
 TEMPLATES = (
@@ -405,6 +422,7 @@ class MujocoPickEnv(gym.Env):
         self._prev_cube = np.zeros(3)
         self._obs_age = 0
         self._force_obs = False
+        self._reset_outcome()
 
         # Rendering: one renderer for observations, created lazily (state mode never renders), one for videos.
         self._renderer: mujoco.Renderer | None = None
@@ -449,6 +467,7 @@ class MujocoPickEnv(gym.Env):
         self._prev_action = np.zeros(7)
         self._prev_ee = d.site_xpos[self.grip_site].copy()
         self._prev_cube = d.xpos[self.cube_bodies[self.target_id]].copy()
+        self._reset_outcome()
         if self.obs_mode == "multimodal":
             self._update_camera_pose()
             self._render_obs()
@@ -458,6 +477,8 @@ class MujocoPickEnv(gym.Env):
             "target_color": COLORS[self.target_id],
             "instruction": self.instruction,
             "obs_age": 0,
+            "outcome": "timed_out",
+            "grasp_miss": float("nan"),
         }
         return self._get_obs(), info
 
@@ -494,6 +515,7 @@ class MujocoPickEnv(gym.Env):
         success = self._target_in_tray(touching)
         ee = d.site_xpos[self.grip_site]
         cube = d.xpos[self.cube_bodies[self.target_id]]
+        outcome = self._track_outcome(a[6] > 0.0, grasped, success, ee, cube)
         if grasped:
             goal_prev = goal_now = self._place_goal
         else:
@@ -522,6 +544,8 @@ class MujocoPickEnv(gym.Env):
             "instruction": self.instruction,
             "grasped": grasped,
             "obs_age": self._obs_age,
+            "outcome": outcome,
+            "grasp_miss": self._grasp_miss,
         }
         return self._get_obs(), reward, success, False, info
 
@@ -632,6 +656,50 @@ class MujocoPickEnv(gym.Env):
         """Whether both jaws touch the target cube."""
         touching = self._contacts_with(int(self.cube_geoms[self.target_id]))
         return self.finger_geoms[0] in touching and self.finger_geoms[1] in touching
+
+    def _reset_outcome(self) -> None:
+        self._ever_grasped = False
+        self._wrong_grasp = False
+        self._grasp_miss = float("nan")
+        self._lost_near_tray = False
+        self._was_grasped = False
+
+    def _track_outcome(
+        self, closing: bool, grasped: bool, success: bool, ee: np.ndarray, cube: np.ndarray
+    ) -> str:
+        """Update the episode's outcome record after a step and return ``info["outcome"]`` (module docstring)."""
+        if grasped:
+            self._ever_grasped = True
+        elif not self._ever_grasped:
+            if closing:
+                miss = _norm(ee - cube)
+                self._grasp_miss = miss if not miss >= self._grasp_miss else self._grasp_miss  # NaN-aware min
+                self._wrong_grasp = self._wrong_grasp or self._other_cube_held()
+        elif self._was_grasped:  # the grasp was lost on this step: where?
+            rel = ee[:2] - self.tray_pos[:2]
+            self._lost_near_tray = bool(np.all(np.abs(rel) < TRAY_INNER_HALF + NEAR_TRAY))
+        self._was_grasped = grasped
+        if success:
+            return "success"
+        if not self._ever_grasped:
+            if self._wrong_grasp:
+                return "wrong_cube"
+            return "never_grasped" if self._grasp_miss == self._grasp_miss else "timed_out"
+        rel = cube - self.tray_pos
+        in_tray = abs(rel[0]) < TRAY_INNER_HALF and abs(rel[1]) < TRAY_INNER_HALF and rel[2] < 0.08
+        if grasped or in_tray:
+            return "timed_out"
+        return "missed_tray" if self._lost_near_tray else "dropped"
+
+    def _other_cube_held(self) -> bool:
+        """Whether a cube other than the target is held between both jaws."""
+        left, right = self.finger_geoms
+        for i, geom in enumerate(self.cube_geoms):
+            if i != self.target_id:
+                touching = self._contacts_with(int(geom))
+                if left in touching and right in touching:
+                    return True
+        return False
 
     def _target_in_tray(self, touching: set[int]) -> bool:
         """Whether the target cube rests in the tray, released; ``touching``: the geoms in contact with it."""

@@ -1,0 +1,106 @@
+"""The failure map: MujocoPick's info["outcome"] per episode, and the evaluation's reason counts."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from diffpolicy.evaluation import Exploration, failure_counts
+from diffpolicy_envs.experts import make_expert
+from diffpolicy_envs.mujoco_pick import OUTCOMES
+
+
+def _episode(seed: int, act, **env_kwargs) -> dict:
+    env = gym.make("diffpolicy_envs:MujocoPick-v0", obs_mode="state", **env_kwargs)
+    env.reset(seed=seed)
+    done, info = False, {}
+    while not done:
+        _, _, term, trunc, info = env.step(act(env))
+        done = term or trunc
+    env.close()
+    assert info["outcome"] in OUTCOMES
+    return info
+
+
+def test_expert_outcomes_name_what_went_wrong() -> None:
+    precise = {}
+
+    def expert(**kw):
+        state = {}
+
+        def act(env):
+            if "e" not in state:
+                state["e"] = make_expert(env, seed=0, **kw)
+            return state["e"].act(env)
+
+        return act
+
+    assert _episode(0, expert(**precise))["outcome"] == "success"
+    assert _episode(0, expert(max_speed=0.002))["outcome"] == "timed_out"  # far too slow to finish
+    assert _episode(0, expert(place_bias=(0.10, 0.0)))["outcome"] == "missed_tray"  # released beside it
+
+
+def test_wrong_cube_and_missed_grasp() -> None:
+    state = {}
+
+    def wrong(env):  # the expert is shown another cube as the target while it decides
+        u = env.unwrapped
+        if "e" not in state:
+            state["e"] = make_expert(env, seed=0)
+        true = u.target_id
+        u.target_id = (true + 1) % 3
+        try:
+            return state["e"].act(env)
+        finally:
+            u.target_id = true
+
+    assert _episode(1, wrong)["outcome"] == "wrong_cube"
+
+    def close_in_place(env):  # stays above the start and closes the jaws: a grasp far from the cube
+        a = np.zeros(7, np.float32)
+        a[2], a[6] = 0.5, 1.0
+        return a
+
+    info = _episode(2, close_in_place)
+    assert info["outcome"] == "never_grasped" and info["grasp_miss"] > 0.05
+
+    def never_close(env):
+        a = np.zeros(7, np.float32)
+        a[6] = -1.0
+        return a
+
+    info = _episode(2, never_close)
+    assert info["outcome"] == "timed_out" and np.isnan(info["grasp_miss"])
+
+
+def test_dropped_when_the_grasp_is_lost_away_from_the_tray() -> None:
+    state = {"t": 0}
+
+    def drop_early(env):
+        if "e" not in state:
+            state["e"] = make_expert(env, seed=0)
+        a = state["e"].act(env)
+        if env.unwrapped.target_grasped() and state.setdefault("held", 0) >= 0:
+            state["held"] += 1
+        if state.get("held", 0) > 12:  # lifted for a while: open the jaws before reaching the tray
+            a = a.copy()
+            a[6] = -1.0
+        return a
+
+    assert _episode(0, drop_early)["outcome"] == "dropped"
+
+
+def test_failure_counts_and_exploration_noise() -> None:
+    counts = failure_counts([True, False, False, False], ["success", "dropped", "dropped", "timed_out"])
+    assert counts == {"dropped": 2, "timed_out": 1}
+    assert failure_counts([False, False], []) == {"failed": 2}  # envs that report no outcome
+    rng = np.random.default_rng(0)
+    acts = np.zeros((3, 8, 7), np.float32)
+    held = Exploration(0.1, "chunk").apply(acts, rng)
+    assert held.shape == acts.shape and np.allclose(held, held[:, :1])  # one draw held over the chunk
+    fresh = Exploration(0.1, "step").apply(acts, rng)
+    assert not np.allclose(fresh, fresh[:, :1])
+    assert np.abs(Exploration(5.0, "step").apply(acts, rng)).max() <= 1.0
+    with pytest.raises(ValueError, match="hold"):
+        Exploration(0.1, "episode")
