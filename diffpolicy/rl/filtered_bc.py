@@ -1,0 +1,284 @@
+"""Success-filtered self-imitation (``algo=filtered_bc``): roll out, keep the successes, continue BC on them.
+
+One round (one iteration of the loop in ``train.py``):
+
+1. **Rollout.** ``algo.round_episodes`` episodes on fresh training scenes (seeds disjoint from the
+   demonstrations' and the held-out ones), in waves of ``env.num_envs`` decision-level environments, with the
+   policy that is evaluated (the EMA weights), sampled as ``algo.explore`` says: ``deterministic`` (every
+   DDIM step's mean, the held-out protocol: the scene alone decides the outcome) or ``chain`` (the stochastic
+   chain).
+2. **Filter.** Every decision of a successful episode becomes a training window: its observation (To = 1)
+   and the Ta actions executed from there on (the following decisions' executed actions; the last one
+   repeated past the episode's end), exactly the windows a demonstration gives at the steps where the policy
+   replans. Failed episodes are dropped. The windows accumulate over rounds.
+3. **Update.** The trained weights restart from the EMA weights and take ``algo.bc_steps`` AdamW steps
+   (``algo.lr``) of the BC loss on batches of ``bc.batch_size`` windows drawn uniformly from the
+   demonstrations and every kept window; the EMA (``bc.ema_decay``) follows, and is what is rolled out,
+   evaluated and saved.
+
+It is behaviour cloning on a dataset that grows with the policy's own successes (self-imitation learning,
+Oh et al. 2018; the filtered-BC baseline of offline RL): every update is a BC step toward actions that
+succeeded, so it cannot follow a wrong critic, and it cannot fix a scene it never solves -- the scenes its
+rollouts reach (``python -m diffpolicy.evaluate ... reachability_tries=16``) bound what it learns.
+Under torchrun each rank keeps its own episodes and the gradients are averaged.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffpolicy import checkpoint
+from diffpolicy.bc import BC_WEIGHT_DECAY
+from diffpolicy.config import TrainConfig
+from diffpolicy.data.windows import DemoWindows
+from diffpolicy.device import Runtime
+from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
+from diffpolicy.env_factory import make_envs, step_info
+from diffpolicy.policies.base import act, to_policy_obs
+from diffpolicy.rl.rollout import RolloutStats
+
+TRAIN_SEED_BASE = 10_000_000
+"""Training scenes start here: far from the demonstration seeds (0, 1, ...) and the held-out ones
+(``eval_seed`` = 100 000 + i)."""
+
+
+class WindowStore:
+    """Windows (observation at a decision, the Ta actions executed from it) from successful episodes.
+
+    ``obs[key]`` (N, 1, ...) tensors on the CPU (``instruction``: a list of N strings); ``actions``
+    (N, Ta, Da) float32, env units.
+    """
+
+    def __init__(self, horizon: int) -> None:
+        self.horizon = horizon
+        self.obs: dict[str, Any] = {}
+        self.actions = torch.zeros(0)
+        self._chunks: list[tuple[dict[str, Any], torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self.actions) + sum(len(a) for _, a in self._chunks)
+
+    def add_episode(self, decisions: list[tuple[dict[str, Any], np.ndarray]]) -> int:
+        """One successful episode: ``decisions`` [(obs of one env at that decision, executed (e, Da))]; -> windows added."""
+        executed = np.concatenate([a for _, a in decisions])  # (L, Da): every control step of the episode
+        starts = np.cumsum([0] + [len(a) for _, a in decisions[:-1]])  # (D,) step index of each decision
+        idx = np.minimum(starts[:, None] + np.arange(self.horizon), len(executed) - 1)  # (D, Ta)
+        actions = torch.from_numpy(executed[idx].astype(np.float32))  # (D, Ta, Da)
+        obs: dict[str, Any] = {}
+        for key in decisions[0][0]:
+            values = [o[key] for o, _ in decisions]
+            obs[key] = (
+                [str(v) for v in values]
+                if key == "instruction"
+                else torch.from_numpy(np.stack(values))[:, None]
+            )  # (D, 1, ...)
+        self._chunks.append((obs, actions))
+        return len(actions)
+
+    def _consolidate(self) -> None:
+        if not self._chunks:
+            return
+        parts = ([(self.obs, self.actions)] if len(self.actions) else []) + self._chunks
+        self.obs = {
+            key: (
+                [s for o, _ in parts for s in o[key]]
+                if key == "instruction"
+                else torch.cat([o[key] for o, _ in parts])
+            )
+            for key in parts[0][0]
+        }
+        self.actions = torch.cat([a for _, a in parts])
+        self._chunks = []
+
+    def batch(self, idx: torch.Tensor, device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
+        """Windows ``idx`` (B,) -> (obs (B, 1, ...) on ``device``, actions (B, Ta, Da))."""
+        self._consolidate()
+        obs = {
+            key: ([value[int(i)] for i in idx] if key == "instruction" else value[idx].to(device))
+            for key, value in self.obs.items()
+        }
+        return obs, self.actions[idx].to(device)
+
+    def state(self) -> dict[str, Any]:
+        self._consolidate()
+        return {"obs": self.obs, "actions": self.actions}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.obs, self.actions, self._chunks = dict(state["obs"]), state["actions"], []
+
+
+def concat_batches(parts: list[tuple[dict[str, Any], torch.Tensor]]) -> tuple[dict[str, Any], torch.Tensor]:
+    """Join (obs, actions) batches with the same keys along B."""
+    parts = [p for p in parts if len(p[1])]
+    keys = parts[0][0].keys()
+    obs = {
+        k: (
+            [s for o, _ in parts for s in o[k]] if k == "instruction" else torch.cat([o[k] for o, _ in parts])
+        )
+        for k in keys
+    }
+    return obs, torch.cat([a for _, a in parts])
+
+
+@torch.no_grad()
+def ema_update(target: torch.nn.Module, source: torch.nn.Module, decay: float) -> None:
+    """target <- decay * target + (1 - decay) * source (parameters); buffers copied."""
+    for t, s in zip(target.parameters(), source.parameters()):
+        t.lerp_(s.detach(), 1.0 - decay)
+    for t, s in zip(target.buffers(), source.buffers()):
+        t.copy_(s)
+
+
+class FilteredBCHead:
+    """Success-filtered self-imitation on the whole diffusion policy (module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger: Any) -> None:
+        from diffpolicy.demos import cached_demos
+
+        if cfg.policy.n_obs_steps != 1:
+            raise ValueError(
+                f"algo=filtered_bc keeps one observation per decision; policy.n_obs_steps={cfg.policy.n_obs_steps} needs 1"
+            )
+        if not hasattr(policy, "bc_loss"):
+            raise ValueError(
+                "algo=filtered_bc needs a policy trained by behaviour cloning (policy.kind=diffusion or gaussian)"
+            )
+        self.cfg, self.rt, self.info, self.logger = cfg, rt, info, logger
+        self.policy = policy.eval()  # the EMA weights: rolled out, evaluated, saved
+        self.model = copy.deepcopy(policy).train()  # the weights the optimiser moves
+        self.model.set_freeze_encoders(cfg.policy.freeze_encoders)
+        self.policy.requires_grad_(False)
+        demos = cfg.bc.demos if getattr(cfg.bc, "demos", "") else None
+        if demos is None:
+            demos, _ = cached_demos(cfg.env, cfg.bc.n_demos, cfg.seed, cfg.cache_dir)
+        self.demos = DemoWindows(demos, 1, policy.horizon, obs_keys=list(policy.obs_spec))
+        self.kept = WindowStore(policy.horizon)
+        self.keys = list(policy.obs_spec)  # the observation fields the policy reads
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optim = torch.optim.AdamW(
+            self.params, lr=cfg.algo.lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY
+        )
+        self.venv = make_envs(
+            cfg.env, policy.n_action_steps, cfg.env.num_envs, seed_for_rank(cfg.seed, info.rank)
+        )
+
+    def begin(self) -> None:
+        """Nothing to prepare."""
+
+    # ------------------------------------------------------------------------------------------ rollout
+    def rollout(self, seed: int) -> RolloutStats:
+        """``algo.round_episodes`` episodes on fresh scenes; the successful ones' windows are kept."""
+        algo, n, device = self.cfg.algo, self.cfg.env.num_envs, self.rt.device
+        deterministic = algo.explore == "deterministic"
+        gen = torch.Generator(device=device).manual_seed(seed)
+        stats = RolloutStats()
+        base = TRAIN_SEED_BASE + seed % (2**31 - 2 * TRAIN_SEED_BASE)
+        self.policy.eval()
+        added = 0
+        for start in range(0, algo.round_episodes, n):
+            live = np.arange(n) < min(n, algo.round_episodes - start)
+            obs, _ = self.venv.reset(seed=[base + start + i for i in range(n)])
+            done, ret, succ = ~live, np.zeros(n), np.zeros(n, dtype=bool)
+            episodes: list[list[tuple[dict[str, Any], np.ndarray]]] = [[] for _ in range(n)]
+            while not done.all():
+                t0 = time.perf_counter()
+                actions, _ = act(
+                    self.policy, to_policy_obs(obs, device), deterministic=deterministic,
+                    autocast=self.rt.autocast, generator=gen,
+                )  # fmt: skip
+                t1 = time.perf_counter()
+                next_obs, reward, term, trunc, info = self.venv.step(actions)
+                stats.policy_s, stats.env_s = stats.policy_s + t1 - t0, stats.env_s + time.perf_counter() - t1
+                executed = step_info(info, "executed", n, actions.shape[1])
+                for i in np.flatnonzero(~done):
+                    seen = {
+                        k: (str(obs[k][i]) if k == "instruction" else np.array(obs[k][i])) for k in self.keys
+                    }
+                    episodes[i].append((seen, actions[i, : int(executed[i])]))
+                active = ~done
+                stats.env_steps += int(executed[active].sum())
+                ret[active] += reward[active]
+                succ[active] |= step_info(info, "is_success", n, False).astype(bool)[active]
+                done |= term | trunc
+                obs = next_obs
+            for i in np.flatnonzero(live):
+                stats.episodes += 1
+                stats.returns.append(float(ret[i]))
+                if succ[i]:
+                    stats.successes += 1
+                    added += self.kept.add_episode(episodes[i])
+        self._added = added
+        return stats
+
+    # ------------------------------------------------------------------------------------------- update
+    def update(self, seed: int, step: int, iteration: int) -> dict[str, float]:
+        """``algo.bc_steps`` BC steps from the EMA weights on demonstrations + kept windows."""
+        algo, device = self.cfg.algo, self.rt.device
+        self.model.load_state_dict(self.policy.state_dict())
+        self.model.train()
+        gen = torch.Generator().manual_seed(seed)
+        n_demo, n_kept = len(self.demos), len(self.kept)
+        batch = min(self.cfg.bc.batch_size, n_demo + n_kept)
+        warmup = max(1, algo.bc_steps // 20)
+        total = 0.0
+        for k in range(algo.bc_steps):
+            for group in self.optim.param_groups:
+                group["lr"] = algo.lr * min(1.0, (k + 1) / warmup)
+            idx = torch.randint(0, n_demo + n_kept, (batch,), generator=gen)
+            parts = [self.demos.batch(idx[idx < n_demo], device)]
+            if n_kept:
+                parts.append(self.kept.batch(idx[idx >= n_demo] - n_demo, device))
+            obs, actions = concat_batches(parts)
+            with self.rt.autocast():
+                loss = self.model.bc_loss(obs, actions)
+            self.optim.zero_grad(set_to_none=True)
+            loss.backward()
+            average_gradients(self.params, self.info)
+            torch.nn.utils.clip_grad_norm_(self.params, algo.max_grad_norm or math.inf)
+            self.optim.step()
+            ema_update(self.policy, self.model, self.cfg.bc.ema_decay)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise ValueError(f"filtered-BC loss is {value} at round {iteration + 1}; lower algo.lr")
+            total += value
+        self.policy.eval()
+        return {
+            "losses/bc": total / max(1, algo.bc_steps),
+            "train/kept_windows": float(n_kept),
+            "train/added_windows": float(getattr(self, "_added", 0)),
+            "train/demo_fraction": n_demo / max(1, n_demo + n_kept),
+        }
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict(), "kept": self.kept.state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.load_weights(state)
+        checkpoint.load_state(self.model, state["model"], name="model")
+        self.optim.load_state_dict(state["optim"])
+        self.kept.load(state["kept"])
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.policy, self.model]
+
+    def saved_policy(self) -> Any:
+        return self.policy
+
+    def artifact(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {}, {}
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        checkpoint.load_state(self.policy, state["policy"], name="policy")
+
+    def on_rollback(self) -> None:
+        """Nothing beyond the restored weights (the kept windows stay: they were successes)."""
+
+    def close(self) -> None:
+        self.venv.close()

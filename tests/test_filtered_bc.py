@@ -1,0 +1,147 @@
+"""Success-filtered self-imitation (algo=filtered_bc): windows of kept episodes, a tiny run end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffpolicy.rl.filtered_bc import WindowStore, concat_batches, ema_update
+
+
+def test_window_store_builds_demo_style_windows() -> None:
+    """Decision d's window holds the Ta actions executed from its first step on, the last one repeated."""
+    store = WindowStore(horizon=4)
+    acts = [np.full((2, 1), v, np.float32) for v in (0.0, 1.0)] + [np.array([[2.0]], np.float32)]
+    acts[0][1] = 0.5
+    decisions = [({"state": np.array([float(d)], np.float32)}, a) for d, a in enumerate(acts)]
+    assert store.add_episode(decisions) == 3
+    obs, actions = store.batch(torch.arange(3), torch.device("cpu"))
+    assert obs["state"].shape == (3, 1, 1) and obs["state"][:, 0, 0].tolist() == [0.0, 1.0, 2.0]
+    assert actions[:, :, 0].tolist() == [[0.0, 0.5, 1.0, 1.0], [1.0, 1.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]]
+    store.add_episode(decisions[:1])
+    assert len(store) == 4
+    state = store.state()
+    again = WindowStore(horizon=4)
+    again.load(state)
+    assert torch.equal(
+        again.batch(torch.arange(4), torch.device("cpu"))[1],
+        store.batch(torch.arange(4), torch.device("cpu"))[1],
+    )
+
+
+def test_concat_batches_joins_text_and_tensors() -> None:
+    a = ({"state": torch.zeros(2, 1, 3), "instruction": ["x", "y"]}, torch.zeros(2, 4, 2))
+    b = ({"state": torch.ones(1, 1, 3), "instruction": ["z"]}, torch.ones(1, 4, 2))
+    obs, actions = concat_batches(
+        [a, b, ({"state": torch.zeros(0, 1, 3), "instruction": []}, torch.zeros(0, 4, 2))]
+    )
+    assert (
+        obs["instruction"] == ["x", "y", "z"]
+        and obs["state"].shape == (3, 1, 3)
+        and actions.shape == (3, 4, 2)
+    )
+
+
+def test_ema_update_moves_toward_source() -> None:
+    t, s = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    before = t.weight.detach().clone()
+    ema_update(t, s, 0.75)
+    assert torch.allclose(t.weight, 0.75 * before + 0.25 * s.weight)
+
+
+def test_tiny_filtered_bc_run(tmp_path: Path, init_ckpt: Path) -> None:
+    """Two rounds through the command line: kept windows grow, the summary carries the failure map."""
+    from test_train import TINY_POLICY, TINY_RUN
+
+    run = [a for a in TINY_RUN if not a.startswith("algo.")] + [
+        "algo=filtered_bc", "algo.iterations=2", "algo.round_episodes=4", "algo.bc_steps=3", "bc.n_demos=2",
+        f"cache_dir={tmp_path / 'cache'}",
+    ]  # fmt: skip
+    run = [a for a in run if a != "algo=ppo"]
+    cmd = [sys.executable, "-m", "diffpolicy.train", *run, *TINY_POLICY, f"policy.init={init_ckpt}",
+           f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["head"] == "filtered_bc" and summary["env_steps"] > 0
+    assert set(summary["failures"]) == {"bc", "ppo"}
+    assert sum(summary["failures"]["ppo"].values()) == round(
+        (1 - summary["ppo_success_rate"]) * summary["eval_episodes"]
+    )
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["losses/bc"] for r in rows if "losses/bc" in r and "train/kept_windows" in r]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def test_fpo_ratio_is_one_on_the_rollout_weights_and_follows_the_loss() -> None:
+    """exp(mean(old - new)): 1 when nothing moved; > 1 where the chunk's denoising loss fell."""
+    from diffpolicy.rl.fpo import fpo_ratio_loss
+
+    old = torch.tensor([[1.0, 2.0], [1.0, 1.0]])
+    loss, stats = fpo_ratio_loss(old.clone(), old, torch.tensor([1.0, -1.0]), 0.2)
+    assert float(stats["ratio_max"]) == 1.0 and float(loss) == 0.0
+    new = old - torch.tensor([[0.1, 0.1], [0.0, 0.0]])  # the first chunk became likelier
+    _, stats = fpo_ratio_loss(new, old, torch.tensor([1.0, -1.0]), 0.2)
+    assert abs(float(stats["ratio_max"]) - float(np.exp(0.1))) < 1e-6
+
+
+def test_denoising_losses_match_the_bc_loss_on_the_same_draws() -> None:
+    """The per-draw loss over the whole chunk equals ddpm_loss (BC's loss) for the same t and noise."""
+    from diffpolicy.diffusion.schedule import ddpm_loss
+    from diffpolicy.rl.fpo import denoising_losses
+
+    class Policy:
+        def __init__(self) -> None:
+            from diffpolicy.diffusion.schedule import NoiseSchedule
+
+            self.schedule = NoiseSchedule(100)
+            self.lin = torch.nn.Linear(2, 2)
+
+        def denoiser(self, x, t, cond):
+            return self.lin(x) + cond[:, None, :2] + t.float()[:, None, None] / 100
+
+    p = Policy()
+    x0, cond = torch.randn(3, 4, 2), torch.randn(3, 5)
+    t, eps = torch.randint(0, 100, (3, 1)), torch.randn(3, 1, 4, 2)
+    got = denoising_losses(p, x0, cond, t, eps, n_exec=4)  # (3, 1)
+    want = torch.stack(
+        [
+            ddpm_loss(p.denoiser, x0[i : i + 1], cond[i : i + 1], p.schedule, t=t[i], noise=eps[i])
+            for i in range(3)
+        ]
+    )
+    assert torch.allclose(got[:, 0], want, atol=1e-6)
+
+
+def test_tiny_fpo_run(tmp_path: Path, init_ckpt: Path) -> None:
+    """Two FPO iterations through the command line: the denoiser moves, losses are finite."""
+    from test_train import TINY_POLICY, TINY_RUN
+
+    run = [a for a in TINY_RUN if not a.startswith("algo")] + [
+        "algo=fpo", "algo.iterations=2", "algo.n_steps=3", "algo.minibatch_size=4", "algo.update_epochs=1",
+        "algo.mc_draws=2", "algo.lr=1e-3",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "diffpolicy.train", *run, *TINY_POLICY, f"policy.init={init_ckpt}",
+           f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["head"] == "fpo" and summary["env_steps"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["losses/approx_kl"] for r in rows if "losses/approx_kl" in r]
+    assert len(kl) == 2 and all(np.isfinite(kl))
+    from diffpolicy import checkpoint
+
+    moved = checkpoint.load(tmp_path / "run" / "checkpoints").state["policy"]
+    start = checkpoint.load(init_ckpt).state["policy"]
+    assert any(not torch.equal(moved[k], start[k]) for k in start if "denoiser" in k)
