@@ -18,7 +18,7 @@ ALGOS = sorted(p.stem for p in (CONF_DIR / "algo").glob("*.yaml"))
 POLICIES = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
 DPPO_YAML = "conf/algo/dppo.yaml still pins policy.ft_steps: 5 (needs ft_steps: null, ft_fraction: 0.5)"
 BUDGET = {"iterations": 1, "n_steps": 4, "minibatch_size": 8, "update_epochs": 1, "critic_warmup": 0,
-          "round_episodes": 2, "bc_steps": 2}  # fmt: skip
+          "round_episodes": 2, "bc_steps": 2, "mc_draws": 2}  # fmt: skip
 """The smallest run of each learner: every budget field it has is cut to this."""
 
 
