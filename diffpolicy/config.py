@@ -359,8 +359,6 @@ class PPOConfig(LearnerConfig):
     """gae (critic + GAE) | grpo (chain only: group-relative, G envs share a seed, no critic)."""
     clip_eps: float = 0.01
     """PPO clip range (chain: at the first fine-tuned denoising step)."""
-    clip_eps_final: float = 0.01
-    """Chain: clip range at the final denoising step (linear in between); residual: unused."""
     norm_adv: bool = True
     """Normalise advantages per minibatch."""
     vf_coef: float = 0.5
@@ -371,7 +369,7 @@ class PPOConfig(LearnerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _choice("algo.advantage", self.advantage, ("gae", "grpo"))
-        for name in ("n_steps", "update_epochs", "minibatch_size", "critic_lr", "clip_eps", "clip_eps_final"):
+        for name in ("n_steps", "update_epochs", "minibatch_size", "critic_lr", "clip_eps"):
             _positive(f"algo.{name}", getattr(self, name))
         for name in ("vf_coef", "target_kl"):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
@@ -384,6 +382,8 @@ class ChainConfig(PPOConfig):
     """PPO on the last K' denoising steps of the diffusion policy (``algo=ppo | grpo | dppo``)."""
 
     name: str = "ppo"
+    clip_eps_final: float | None = None
+    """Clip range at the final denoising step (linear from ``clip_eps`` in between); null = ``clip_eps``."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     denoise_gamma: float = 1.0
@@ -428,6 +428,9 @@ class ChainConfig(PPOConfig):
         super().__post_init__()
         if self.head != "chain":
             raise ValueError(f"algo.head={self.head!r}: a chain learner's head is chain")
+        if self.clip_eps_final is None:
+            self.clip_eps_final = self.clip_eps
+        _positive("algo.clip_eps_final", self.clip_eps_final)
         _choice("algo.clip", self.clip, ("ppo", "unconditional"))
         _choice("algo.normalize", self.normalize, ("mean", "self"))
         _choice("algo.reg", self.reg, ("none", "kl", "bc"))

@@ -123,3 +123,13 @@ def test_cache_dir_outside_hydra_is_a_path(monkeypatch) -> None:
     monkeypatch.setenv("DIFFPOLICY_CACHE", "/data/cache")
     assert C.TrainConfig().cache_dir == "/data/cache"
     assert C.TrainConfig(cache_dir="mine").cache_dir == "mine"
+
+
+def test_clip_eps_final_follows_clip_eps_unless_set(compose) -> None:
+    """Raising algo.clip_eps no longer leaves the last step's clip range at its old default."""
+    assert compose("train", ["algo=ppo", "algo.clip_eps=0.1"]).algo.clip_eps_final == 0.1
+    assert (
+        compose("train", ["algo=ppo", "algo.clip_eps=0.1", "algo.clip_eps_final=0.3"]).algo.clip_eps_final
+        == 0.3
+    )
+    assert compose("train", ["algo=dppo"]).algo.clip_eps_final == 1e-2

@@ -16,18 +16,13 @@ from diffpolicy.policy_io import configs_from
 
 ALGOS = sorted(p.stem for p in (CONF_DIR / "algo").glob("*.yaml"))
 POLICIES = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
-DPPO_YAML = "conf/algo/dppo.yaml still pins policy.ft_steps: 5 (needs ft_steps: null, ft_fraction: 0.5)"
 BUDGET = {"iterations": 1, "n_steps": 4, "minibatch_size": 8, "update_epochs": 1, "critic_warmup": 0,
           "round_episodes": 2, "bc_steps": 2, "mc_draws": 2}  # fmt: skip
 """The smallest run of each learner: every budget field it has is cut to this."""
 
 
-def _pinned(algo: str) -> list:
-    return [pytest.mark.xfail(strict=True, reason=DPPO_YAML)] if algo == "dppo" else []
-
-
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("algo", [pytest.param(a, marks=_pinned(a)) for a in ALGOS])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_ddim_steps_composes_with_every_algo_and_policy(algo: str, policy: str, compose) -> None:
     cfg = compose("train", [f"algo={algo}", f"policy={policy}", "policy.ddim_steps=4"])
     assert cfg.policy.ddim_steps == 4 and 1 <= cfg.policy.ft_steps <= 4
@@ -83,7 +78,7 @@ def test_a_checkpoint_without_the_newer_fields_still_loads(tmp_path: Path) -> No
     assert policy_cfg.ft_fraction is None and policy_cfg.ft_steps == 4
 
 
-@pytest.mark.parametrize("algo", [pytest.param(a, marks=_pinned(a)) for a in ALGOS])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_ddim_steps_runs_with_every_algo(algo: str, tmp_path: Path, init_ckpt: Path) -> None:
     """One iteration of every learner on a K = 4 policy, K' derived (``init_ckpt`` samples with K = 4)."""
     _run(tmp_path, init_ckpt, [f"algo={algo}"])

@@ -156,7 +156,7 @@ class FPOHead:
                 self.critic_optim.step()
                 for name, value in (("losses/policy", pg), ("losses/value", v_loss), ("losses/grad_norm", norm),
                                     *((f"losses/{k}", v) for k, v in stats.items())):  # fmt: skip
-                    sums[name] += float(value)
+                    sums[name] += float(value.detach())
                 count += 1
                 epoch_kl, epoch_n = epoch_kl + float(stats["approx_kl"]), epoch_n + 1
             if algo.target_kl > 0 and epoch_n and epoch_kl / epoch_n > algo.target_kl:
