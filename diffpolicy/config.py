@@ -167,6 +167,11 @@ class PolicyConfig:
     cond_dim: int = 256
     """Width of the fused conditioning vector fed to every residual block."""
     down_dims: list[int] = field(default_factory=lambda: [64, 128, 256])
+    denoiser: str = "unet"
+    """unet (the conditional 1-D U-Net) | mlp (a residual MLP over the flattened chunk, DPPO's choice for
+    state tasks: ``mlp_dims``, ``step_embed_dim``; ``down_dims``, ``kernel_size`` and ``n_groups`` unused)."""
+    mlp_dims: list[int] = field(default_factory=lambda: [512, 512, 512])
+    """Hidden widths of the MLP denoiser (``denoiser=mlp``)."""
     """Channel widths of the U-Net levels."""
     kernel_size: int = 5
     """Temporal convolution kernel of the U-Net."""
@@ -214,6 +219,9 @@ class PolicyConfig:
         _choice("policy.kind", self.kind, ("diffusion", "gaussian"))
         _choice("policy.conditioning", self.conditioning, ("film", "adanorm"))
         if isinstance(self.encoder, dict):
+        _choice("policy.denoiser", self.denoiser, ("unet", "mlp"))
+        if not self.mlp_dims or any(d <= 0 for d in self.mlp_dims):
+            raise ValueError(f"policy.mlp_dims={self.mlp_dims} must be positive widths")
             self.encoder = EncoderConfig(**self.encoder)
         if not self.down_dims:
             raise ValueError("policy.down_dims is empty; give at least one level width")
@@ -230,7 +238,7 @@ class PolicyConfig:
         if self.kernel_size <= 0 or self.kernel_size % 2 == 0:
             raise ValueError(f"policy.kernel_size={self.kernel_size} must be a positive odd number")
         _positive("policy.horizon", self.horizon)
-        if self.horizon % (2 ** (len(self.down_dims) - 1)):
+        if self.denoiser == "unet" and self.horizon % (2 ** (len(self.down_dims) - 1)):
             raise ValueError(
                 f"policy.horizon={self.horizon} must be divisible by 2^(len(policy.down_dims)-1)="
                 f"{2 ** (len(self.down_dims) - 1)}"

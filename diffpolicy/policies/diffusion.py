@@ -1,4 +1,4 @@
-"""DiffusionPolicy: observation encoders + conditional 1-D U-Net denoiser + DDIM sampler (DPPO-style).
+"""DiffusionPolicy: observation encoders + denoiser (conditional 1-D U-Net, or an MLP) + DDIM sampler (DPPO-style).
 
 Sampling runs K DDIM steps. The first K - K' are the base part (std = eta-scaled DDIM sigma, no gradient),
 run by a frozen copy of the pre-trained denoiser once :meth:`DiffusionPolicy.set_sampling` has asked for
@@ -23,6 +23,7 @@ import torch
 from diffpolicy.config import PolicyConfig
 from diffpolicy.diffusion.sampler import ddim_sample
 from diffpolicy.diffusion.schedule import NoiseSchedule, ddim_step_mean_std, ddpm_loss
+from diffpolicy.models.mlp_denoiser import MLPDenoiser
 from diffpolicy.models.unet1d import ConditionalUnet1D
 from diffpolicy.policies.base import Obs, PolicyBase, SampleOutput, normal_log_prob
 
@@ -37,15 +38,20 @@ class DiffusionPolicy(PolicyBase):
 
     def __init__(self, cfg: PolicyConfig, obs_spec: Obs, action_dim: int, *, text_backend: str = "minilm"):
         super().__init__(cfg, obs_spec, action_dim, text_backend=text_backend)
-        self.denoiser = ConditionalUnet1D(
-            action_dim,
-            cfg.cond_dim,
-            cfg.down_dims,
-            cfg.kernel_size,
-            cfg.n_groups,
-            cfg.step_embed_dim,
-            cfg.conditioning,
-        )
+        if cfg.denoiser == "mlp":
+            self.denoiser = MLPDenoiser(
+                action_dim, cfg.horizon, cfg.cond_dim, cfg.mlp_dims, cfg.step_embed_dim
+            )
+        else:
+            self.denoiser = ConditionalUnet1D(
+                action_dim,
+                cfg.cond_dim,
+                cfg.down_dims,
+                cfg.kernel_size,
+                cfg.n_groups,
+                cfg.step_embed_dim,
+                cfg.conditioning,
+            )
         self.denoiser.grad_checkpointing = cfg.grad_checkpointing
         self.schedule = NoiseSchedule(
             cfg.train_timesteps, cfg.ddim_steps, cfg.ft_steps, cfg.eta, cfg.min_std, cfg.clip_sample
