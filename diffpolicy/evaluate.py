@@ -90,6 +90,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "failures": result.failures(),
         "n_episodes": result.episodes,
         "mean_return": result.mean_return,
+        "return_ci": [round(v, 2) for v in result.return_ci()],  # 95 % Student-t interval of the mean
         "env_steps": result.env_steps,
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,

@@ -4,7 +4,8 @@ Reads top to bottom: device and process group -> the pre-trained policy (``polic
 checkpoint, trained on first use) -> held-out evaluation of BC -> PPO iterations (seeded rollout into the
 preallocated buffer, GAE or group-relative advantages, clipped update of the last K' denoising steps,
 checkpoints, rollback guard) -> the same held-out evaluation after PPO -> PNG, mp4 and the JSON summary
-(``bc_success_rate``, ``ppo_success_rate``, ``env_steps``, ``wall_time_s``), printed last on stdout.
+(``bc_success_rate``, ``ppo_success_rate``, ``bc_return``, ``ppo_return`` with their 95 % intervals,
+``env_steps``, ``wall_time_s``), printed last on stdout.
 
 Every PPO iteration starts from environments reset with seeds derived from (seed, rank, iteration) and
 draws its sampling noise and minibatch order from generators seeded the same way, so the state at an
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from diffpolicy import checkpoint
@@ -37,7 +39,7 @@ from diffpolicy.distributed import (
     seed_for_rank,
     sum_metrics,
 )
-from diffpolicy.evaluation import EvalResult, failure_counts, held_out, record_video
+from diffpolicy.evaluation import EvalResult, failure_counts, held_out, mean_interval, record_video
 from diffpolicy.logger import Logger
 from diffpolicy.policy_io import load_policy, save_policy
 from diffpolicy.rl.heads import make_head
@@ -153,12 +155,13 @@ def fine_tune(
             logger.event("resume", f"resumed from {ckpt.path.name}", env_steps, iteration=first_it)
     broadcast_parameters(head.modules(), info)
     if bc is None:
-        bc = {"successes": [], "outcomes": []}
+        bc = {"successes": [], "outcomes": [], "returns": []}
         if info.is_main:
             before = held_out(head.policy, cfg, rt)
-            bc = {"successes": before.successes, "outcomes": before.outcomes}
+            bc = {"successes": before.successes, "outcomes": before.outcomes, "returns": before.returns}
         if info.is_main:
-            logger.log({"eval/success_rate": sum(bc["successes"]) / len(bc["successes"])}, step=0)
+            logger.log({"eval/success_rate": sum(bc["successes"]) / len(bc["successes"]),
+                        "eval/mean_return": float(np.mean(bc["returns"]))}, step=0)  # fmt: skip
     head.begin()
 
     # ---- PPO: one loop, either head
@@ -218,15 +221,22 @@ def fine_tune(
     summary: dict[str, Any] | None = None
     if info.is_main:
         after = held_out(head.policy, cfg, rt)
-        logger.log({"eval/success_rate": after.success_rate}, step=env_steps)
+        logger.log(
+            {"eval/success_rate": after.success_rate, "eval/mean_return": after.mean_return}, step=env_steps
+        )
         artifacts(cfg, run_dir, head.policy, rt)
-        n_bc = len(bc["successes"])
+        n_bc, bc_returns = len(bc["successes"]), bc.get("returns", [])
         bc_rate = sum(bc["successes"]) / n_bc
         summary = {
             "bc_success_rate": bc_rate,
             "ppo_success_rate": after.success_rate,
             "bc_ci": [round(v, 3) for v in EvalResult(bc_rate, 0.0, n_bc, 0, bc["successes"]).wilson()],
             "ppo_ci": [round(v, 3) for v in after.wilson()],
+            # mean episode return with its 95 % Student-t interval (checkpoints before returns: none)
+            "bc_return": round(float(np.mean(bc_returns)), 2) if bc_returns else None,
+            "ppo_return": round(after.mean_return, 2),
+            "bc_return_ci": [round(v, 2) for v in mean_interval(bc_returns)] if bc_returns else None,
+            "ppo_return_ci": [round(v, 2) for v in after.return_ci()],
             "eval_episodes": after.episodes,
             "failures": {
                 "bc": failure_counts(bc["successes"], bc.get("outcomes", [])),

@@ -142,3 +142,16 @@ def test_train_and_pretrain_evaluate_bc_alike(run):
     cfg = compose("pretrain", [*common, "algo=ppo", "eval_deterministic=true"])
     det = evaluation.held_out(policy, cfg, Runtime.from_config(cfg.device))
     assert (det.successes, det.mean_return, det.env_steps) == results["train", "residual"]
+
+
+def test_return_interval_against_tabulated_t_quantiles() -> None:
+    """The summary's return intervals: t quantiles against tables, mean -+ t s / sqrt(n) against a hand sum."""
+    for dof, want in ((10, 2.228139), (49, 2.009575), (199, 1.971957)):
+        assert abs(evaluation.t_quantile(0.975, dof) - want) < 2e-4
+    values = [float(v) for v in range(1, 12)]  # mean 6, s = sqrt(11)
+    lo, hi = evaluation.mean_interval(values)
+    half = 2.228139 * np.sqrt(11.0) / np.sqrt(11.0)
+    assert abs(lo - (6 - half)) < 1e-3 and abs(hi - (6 + half)) < 1e-3
+    assert all(np.isnan(evaluation.mean_interval([3.0])))
+    result = evaluation.EvalResult(0.0, 6.0, 11, 0, [False] * 11, returns=values)
+    assert result.return_ci() == (lo, hi)
