@@ -30,7 +30,7 @@ from diffpolicy.demos import demonstrations, demonstrations_key
 from diffpolicy.device import Runtime
 from diffpolicy.diffusion.schedule import ddpm_loss
 from diffpolicy.logger import Logger
-from diffpolicy.policy_io import build_policy, save_policy
+from diffpolicy.policy_io import POLICY_FIELDS_ADDED, build_policy, save_policy
 
 BC_WEIGHT_DECAY = 1e-6
 """AdamW weight decay of behaviour cloning."""
@@ -237,7 +237,12 @@ def behaviour_cloning(
 def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, bc_cfg: BCConfig, seed: int) -> str:
     """Short hash naming a cached BC checkpoint: the demonstrations' key, the policy and the BC settings
     (``bc.n_demos`` only when the expert's demonstrations are collected)."""
-    policy = {k: v for k, v in dataclasses.asdict(policy_cfg).items() if k not in POLICY_FIELDS_IGNORED}
+    defaults = dataclasses.asdict(PolicyConfig())
+    policy = {
+        k: v
+        for k, v in dataclasses.asdict(policy_cfg).items()
+        if k not in POLICY_FIELDS_IGNORED and not (k in POLICY_FIELDS_ADDED and v == defaults[k])
+    }  # fields added later stay out of the key at their defaults, so caches written before them stay valid
     bc = {
         old: getattr(bc_cfg, new) for old, new in BC_FIELDS.items() if not (bc_cfg.demos and new == "n_demos")
     }

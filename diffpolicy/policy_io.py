@@ -28,8 +28,9 @@ from diffpolicy import checkpoint
 from diffpolicy.checkpoint import Checkpoint, CheckpointError
 from diffpolicy.config import ENV_RUNTIME_FIELDS, EncoderConfig, EnvConfig, PolicyConfig
 
-POLICY_FIELDS_ADDED = ("ft_fraction",)
-"""PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults."""
+POLICY_FIELDS_ADDED = ("ft_fraction", "denoiser", "mlp_dims")
+"""PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults (and at
+their defaults they stay out of the BC cache key, :func:`diffpolicy.bc.bc_key`, so older caches stay valid)."""
 
 
 def save_policy(
