@@ -40,7 +40,10 @@ def main(cfg: CollectConfig, run_dir: Path) -> dict[str, Any]:
             cfg.keep_failures,  # None: the env's demo_failures
             progress=log.progress,
         )
-        log.log({"rollout/success_rate": summary["success_rate"]}, step=summary["steps"])
+        metrics = {"rollout/mean_return": summary["mean_return"]}
+        if summary["success_rate"] is not None:  # None: the env reports no success (Hopper)
+            metrics["rollout/success_rate"] = summary["success_rate"]
+        log.log(metrics, step=summary["steps"])
     if hdf5 is not None:
         summary["robomimic"] = export_robomimic(summary["path"], hdf5)["path"]
     return summary

@@ -52,7 +52,8 @@ class EnvConfig:
     """Which environment to train on and how to run it."""
 
     name: str = "mujoco_pick"
-    """Config-group entry: mujoco_pick | obstacle_reach | gym."""
+    """Config-group entry: mujoco_pick | obstacle_reach | hopper (Gymnasium's Hopper-v5, demonstrated by a
+    medium-quality SAC actor) | gym."""
     id: str = "diffpolicy_envs:MujocoPick-v0"
     """gymnasium id passed to ``gymnasium.make``."""
     num_envs: int = 4
@@ -81,7 +82,7 @@ class EnvConfig:
     datasets); false keeps only successes. Behaviour cloning skips failed episodes either way."""
 
     def __post_init__(self) -> None:
-        _choice("env.name", self.name, ("mujoco_pick", "obstacle_reach", "gym"))
+        _choice("env.name", self.name, ("mujoco_pick", "obstacle_reach", "hopper", "gym"))
         _choice("env.vectorization", self.vectorization, ("sync", "async"))
         _choice("env.obs_mode", self.obs_mode, ("multimodal", "state"))
         if not self.id:
@@ -166,12 +167,12 @@ class PolicyConfig:
     """Observation encoders."""
     cond_dim: int = 256
     """Width of the fused conditioning vector fed to every residual block."""
-    down_dims: list[int] = field(default_factory=lambda: [64, 128, 256])
     denoiser: str = "unet"
     """unet (the conditional 1-D U-Net) | mlp (a residual MLP over the flattened chunk, DPPO's choice for
     state tasks: ``mlp_dims``, ``step_embed_dim``; ``down_dims``, ``kernel_size`` and ``n_groups`` unused)."""
     mlp_dims: list[int] = field(default_factory=lambda: [512, 512, 512])
     """Hidden widths of the MLP denoiser (``denoiser=mlp``)."""
+    down_dims: list[int] = field(default_factory=lambda: [64, 128, 256])
     """Channel widths of the U-Net levels."""
     kernel_size: int = 5
     """Temporal convolution kernel of the U-Net."""
@@ -218,10 +219,10 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         _choice("policy.kind", self.kind, ("diffusion", "gaussian"))
         _choice("policy.conditioning", self.conditioning, ("film", "adanorm"))
-        if isinstance(self.encoder, dict):
         _choice("policy.denoiser", self.denoiser, ("unet", "mlp"))
         if not self.mlp_dims or any(d <= 0 for d in self.mlp_dims):
             raise ValueError(f"policy.mlp_dims={self.mlp_dims} must be positive widths")
+        if isinstance(self.encoder, dict):
             self.encoder = EncoderConfig(**self.encoder)
         if not self.down_dims:
             raise ValueError("policy.down_dims is empty; give at least one level width")

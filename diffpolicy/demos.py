@@ -72,26 +72,27 @@ def _make_env(env_cfg: EnvConfig):
     if env_cfg.name == "gym":
         raise ValueError(
             f"env=gym ({env_cfg.id}) has no scripted expert to collect demonstrations from; give your own "
-            "with bc.demos=PATH (robomimic-style HDF5, minari:ID or a dataset directory), or use env=mujoco_pick "
-            "or env=obstacle_reach"
+            "with bc.demos=PATH (robomimic-style HDF5, minari:ID or a dataset directory), or use env=mujoco_pick, "
+            "env=obstacle_reach or env=hopper"
         )
     return make_env(env_cfg.id, **env_kwargs(env_cfg, 1))
 
 
-def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any], bool]:
+def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any], bool | None]:
     """One expert episode from ``env.reset(seed=seed)``.
 
     Returns:
         ``(episode, success)``: ``episode`` maps ``action`` (L, Da), ``reward`` (L,) and each observation key
         to L steps (``rgb`` (L, H, W, 3) uint8, ``points`` (L, N, 6), ``state`` (L, Ds), ``instruction`` one
         string); step t holds the observation the expert acted on, the action it took and its reward.
+        ``success`` is None when the environment reports no ``is_success`` (Hopper: returns, no goal).
     """
     obs, _ = env.reset(seed=seed)
     steps: dict[str, list[Any]] = {k: [] for k in TENSOR_KEYS if k in obs}
     actions: list[np.ndarray] = []
     rewards: list[float] = []
     instruction = obs.get("instruction")
-    success = False
+    success, reported = False, False
     while True:
         for key in steps:
             steps[key].append(np.array(obs[key], copy=True))
@@ -100,6 +101,7 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
         obs, reward, terminated, truncated, info = env.step(action)
         rewards.append(float(reward))
         success = success or bool(info.get("is_success", False))
+        reported = reported or "is_success" in info
         if terminated or truncated:
             break
     episode: dict[str, Any] = {key: np.stack(values) for key, values in steps.items()}
@@ -107,7 +109,7 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
     episode[REWARD_KEY] = np.asarray(rewards, dtype=np.float32)  # (L,)
     if instruction is not None:
         episode["instruction"] = str(instruction)
-    return episode, success
+    return episode, success if reported else None
 
 
 def collect_demos(
@@ -121,7 +123,7 @@ def collect_demos(
     """Roll out the scripted expert on seeds ``seed .. seed + n_episodes - 1`` and write a dataset at ``out``.
 
     Args:
-        env_cfg: environment (``mujoco_pick`` in either obs mode, or ``obstacle_reach``).
+        env_cfg: environment (``mujoco_pick`` in either obs mode, ``obstacle_reach`` or ``hopper``).
         n_episodes: episodes to run.
         seed: first episode seed (also seeds the expert's own choices).
         out: dataset directory to create (must not exist).
@@ -129,7 +131,8 @@ def collect_demos(
         progress: wraps the episode loop (e.g. ``logger.progress``).
 
     Returns:
-        ``{"success_rate", "n_episodes", "n_kept", "steps", "path", "wall_time_s"}``.
+        ``{"success_rate", "mean_return", "n_episodes", "n_kept", "steps", "path", "wall_time_s"}``
+        (``success_rate`` None when the environment reports no success).
 
     Raises:
         ValueError: no expert for the environment, ``out`` exists, or no episode was kept.
@@ -157,13 +160,15 @@ def collect_demos(
         ) from None
     attrs = {"env": dataclasses.asdict(env_cfg), "seed": seed, "keep_failures": keep_failures, "obs_every": 1}
     writer = DemoWriter(out, env_id=env_cfg.id, attrs=attrs)
-    successes: list[bool] = []
+    successes: list[bool | None] = []
+    returns: list[float] = []
     steps = 0
     try:
         for i in progress(range(n_episodes), total=n_episodes, desc="collect"):
             episode, success = run_expert_episode(env, expert, seed + i)
             successes.append(success)
-            if success or keep_failures:
+            returns.append(float(episode[REWARD_KEY].sum()))
+            if success is not False or keep_failures:  # None: no notion of success, every episode kept
                 writer.add_episode(episode, seed=seed + i, success=success)
                 steps += len(episode["action"])
         if writer.num_episodes == 0:
@@ -177,8 +182,10 @@ def collect_demos(
         raise
     finally:
         env.close()
+    known = [s for s in successes if s is not None]
     return {
-        "success_rate": float(np.mean(successes)),
+        "success_rate": float(np.mean(known)) if known else None,
+        "mean_return": round(float(np.mean(returns)), 2),
         "n_episodes": n_episodes,
         "n_kept": writer.num_episodes,
         "steps": steps,

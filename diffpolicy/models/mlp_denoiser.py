@@ -2,7 +2,8 @@
 
 The network predicts the noise eps of a noisy normalised chunk x_t (B, Ta, Da) from the flattened chunk, a
 step embedding and the observation conditioning vector, concatenated and fed to one input layer, then
-residual blocks of two linear layers with a ReLU between and after (DPPO's Gym actors use ReLU), then a linear output layer in float32 (``fp32_head``).
+residual blocks of two linear layers (a ReLU between and after each; DPPO's Gym actors use ReLU), then a
+linear output layer in float32 (``fp32_head``).
 
 It offers the U-Net's sampling interface (:class:`~diffpolicy.models.unet1d.ConditionalUnet1D`): because the
 input layer is linear in the concatenation, ``W [x; s; c] + b = W_x x + (W_s s + W_c c + b)``, so

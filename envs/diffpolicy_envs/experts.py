@@ -14,6 +14,7 @@ An expert notices a new episode by itself (the env counts its resets), so ``act`
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -33,6 +34,8 @@ from diffpolicy_envs.mujoco_pick import (
 from diffpolicy_envs.obstacle_reach import ObstacleReachEnv
 
 OPEN, CLOSE = -1.0, 1.0
+ASSETS = Path(__file__).resolve().parent / "assets"
+"""Model files and trained actors shipped with the package."""
 
 
 class PickExpert:
@@ -234,20 +237,101 @@ class ReachExpert:
         return np.clip(acc / u.max_accel, -1.0, 1.0).astype(np.float32)
 
 
-def make_expert(env: gym.Env, seed: int | None = None, **kwargs: Any) -> PickExpert | ReachExpert:
-    """The scripted expert of ``env`` (``MujocoPick-v0`` or ``ObstacleReach-v0``, wrapped or not).
+class MLPExpert:
+    """A trained tanh-Gaussian MLP actor (SAC's) run in numpy: the demonstrator of plain gymnasium tasks.
 
-    ``seed`` seeds the expert's own random choices (ObstacleReach's side); extra kwargs go to the expert.
+    The weights file (``.npz``, written by ``scripts/hopper_medium_policy.py``) holds hidden layers
+    ``w{i}`` (out, in) and ``b{i}`` (ReLU after each), the Gaussian's ``mu_w``/``mu_b`` and
+    ``log_std_w``/``log_std_b`` (log-std clipped to [-20, 2], as stable-baselines3 does) and a JSON ``meta``
+    string. The action is ``tanh(mu + std * z)`` with z ~ N(0, I) from the expert's own generator
+    (``stochastic``, how D4RL's medium data was sampled) or ``tanh(mu)``; it lies in [-1, 1], which is the
+    adapter's action (:class:`diffpolicy_envs.adapters.BoxEnvAdapter`) and SAC's own squashed action alike.
+    The observation is read from the unwrapped env (``_get_obs()``), like the scripted experts' privileged
+    state.
+
+    Args:
+        weights: dict of the arrays above.
+        seed: seeds the action noise.
+        stochastic: sample from the Gaussian (default) rather than take its mean.
+    """
+
+    def __init__(self, weights: dict[str, np.ndarray], seed: int | None = None, stochastic: bool = True):
+        n_hidden = sum(1 for k in weights if k.startswith("w") and k[1:].isdigit())
+        if n_hidden == 0 or "mu_w" not in weights or "log_std_w" not in weights:
+            raise ValueError("MLPExpert weights need w0/b0.., mu_w/mu_b and log_std_w/log_std_b arrays")
+        self.layers = [(np.asarray(weights[f"w{i}"], np.float64), np.asarray(weights[f"b{i}"], np.float64))
+                       for i in range(n_hidden)]  # fmt: skip
+        self.mu = (np.asarray(weights["mu_w"], np.float64), np.asarray(weights["mu_b"], np.float64))
+        self.log_std = (
+            np.asarray(weights["log_std_w"], np.float64),
+            np.asarray(weights["log_std_b"], np.float64),
+        )
+        self.meta: dict[str, Any] = {}
+        if "meta" in weights and str(weights["meta"]):
+            import json
+
+            self.meta = json.loads(str(weights["meta"]))
+        self.stochastic = bool(stochastic)
+        self.rng = np.random.default_rng(seed)
+
+    @classmethod
+    def load(cls, path: str | Path, seed: int | None = None, stochastic: bool = True) -> MLPExpert:
+        """The expert whose weights are the ``.npz`` at ``path``."""
+        with np.load(path, allow_pickle=False) as data:
+            return cls({k: data[k] for k in data.files}, seed=seed, stochastic=stochastic)
+
+    def reset(self) -> None:
+        """Nothing to reset: the actor is memoryless."""
+
+    def policy(self, obs: np.ndarray) -> np.ndarray:
+        """Observations (Do,) or (B, Do) -> actions (Da,) or (B, Da) float32 in [-1, 1]."""
+        h = np.asarray(obs, np.float64)
+        for w, b in self.layers:
+            h = np.maximum(h @ w.T + b, 0.0)
+        mu = h @ self.mu[0].T + self.mu[1]
+        if self.stochastic:
+            std = np.exp(np.clip(h @ self.log_std[0].T + self.log_std[1], -20.0, 2.0))
+            mu = mu + std * self.rng.standard_normal(mu.shape)
+        return np.tanh(mu).astype(np.float32)
+
+    def act(self, env: gym.Env) -> np.ndarray:
+        """Next action (Da,) float32 in [-1, 1] for the unwrapped env's current observation."""
+        return self.policy(env.unwrapped._get_obs())
+
+
+POLICY_EXPERTS: dict[str, str] = {"HopperEnv": "hopper_sac_55k.npz"}
+"""Unwrapped env class name -> the trained actor (``assets/``) that demonstrates it. Hopper-v5's is a SAC agent
+(``scripts/hopper_medium_policy.py``, seed 0) stopped after 55 000 steps at a sampled return of ~340, below the
+medium quality (about a third of an expert's return) the script stops at by itself: the run was starved of CPU
+(docs/hopper.md). A medium file from a full run replaces it by name here and in ``conf/env/hopper.yaml``."""
+
+
+def make_expert(env: gym.Env, seed: int | None = None, **kwargs: Any) -> PickExpert | ReachExpert | MLPExpert:
+    """The expert of ``env``: scripted for ``MujocoPick-v0`` and ``ObstacleReach-v0``, a trained actor
+    (:data:`POLICY_EXPERTS`, :class:`MLPExpert`) for ``Hopper-v5``; wrapped or not.
+
+    ``seed`` seeds the expert's own random choices (ObstacleReach's side, the actor's action noise); extra
+    kwargs go to the expert (``weights=PATH`` gives any env an :class:`MLPExpert` from that file).
     """
     u = env.unwrapped
     if isinstance(u, MujocoPickEnv):
         return PickExpert(env, seed=seed, **kwargs)
     if isinstance(u, ObstacleReachEnv):
         return ReachExpert(env, seed=seed, **kwargs)
-    raise ValueError(f"no scripted expert for {type(u).__name__}; known: MujocoPickEnv, ObstacleReachEnv")
+    kwargs = dict(kwargs)
+    weights = kwargs.pop("weights", None) or POLICY_EXPERTS.get(type(u).__name__)
+    if weights is not None:
+        path = Path(weights) if Path(weights).is_file() else ASSETS / weights
+        return MLPExpert.load(path, seed=seed, **kwargs)
+    raise ValueError(
+        f"no expert for {type(u).__name__}; known: MujocoPickEnv, ObstacleReachEnv, "
+        f"{', '.join(POLICY_EXPERTS)} (or give weights=PATH of an MLPExpert .npz)"
+    )
 
 
-def run_episode(env: gym.Env, expert: PickExpert | ReachExpert, seed: int | None = None) -> dict[str, Any]:
+def run_episode(
+    env: gym.Env, expert: PickExpert | ReachExpert | MLPExpert, seed: int | None = None
+) -> dict[str, Any]:
     """Roll out one expert episode; returns ``{"success": bool, "length": int, "return": float}``."""
     env.reset(seed=seed)
     total, length, success = 0.0, 0, False

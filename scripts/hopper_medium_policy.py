@@ -1,0 +1,118 @@
+"""Train the medium-quality Hopper policy whose actions are ``env=hopper``'s demonstrations (D4RL's recipe).
+
+D4RL's ``hopper-medium`` holds the episodes of a SAC agent stopped at about a third of an expert's return.
+Its files cannot be downloaded here, so this script makes the same kind of policy: stable-baselines3's SAC
+(the field's reference implementation, ``pip install -e .[rl]``) on Gymnasium's ``Hopper-v5``, evaluated
+every ``--eval-every`` steps on ``--eval-episodes`` episodes sampled from its own Gaussian (as D4RL's data
+was), and stopped the first time that mean return reaches ``--stop-return``. The actor is exported to a small
+``.npz`` that :class:`diffpolicy_envs.experts.MLPExpert` runs in numpy, so collecting demonstrations never
+needs stable-baselines3:
+
+    python scripts/hopper_medium_policy.py --out envs/diffpolicy_envs/assets/hopper_medium.npz
+
+Its ``meta`` entry records the seed, the training steps, the return reached and the band the test holds the
+file to. The committed ``assets/hopper_sac_55k.npz`` is this script's seed-0 run cut short: the actor exported
+at its 55 000-step evaluation (sampled return ~340, below medium), when the machine's CPU went to another job
+(docs/hopper.md). A full run (about 100 k SAC steps) writes ``hopper_medium.npz``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+MEDIUM_BAND = (700.0, 1900.0)
+"""Mean sampled return that counts as medium quality: 20-55 % of an expert's ~3500 on Hopper (D4RL's
+hopper-medium averages ~1420, its expert ~3230); ``tests/test_hopper.py`` holds the committed file to it."""
+
+
+def export_actor(model, path: str, meta: dict) -> None:
+    """SB3 SAC actor -> ``.npz``: hidden layers ``w{i}`` (out, in) / ``b{i}``, ``mu_w``/``mu_b``,
+    ``log_std_w``/``log_std_b`` (the Gaussian before the tanh), and ``meta`` (a JSON string)."""
+    actor = model.policy.actor
+    arrays: dict[str, np.ndarray] = {}
+    linears = [m for m in actor.latent_pi if isinstance(m, torch.nn.Linear)]
+    for i, layer in enumerate(linears):
+        arrays[f"w{i}"] = layer.weight.detach().cpu().numpy().astype(np.float32)
+        arrays[f"b{i}"] = layer.bias.detach().cpu().numpy().astype(np.float32)
+    for name in ("mu", "log_std"):
+        layer = getattr(actor, name)
+        arrays[f"{name}_w"] = layer.weight.detach().cpu().numpy().astype(np.float32)
+        arrays[f"{name}_b"] = layer.bias.detach().cpu().numpy().astype(np.float32)
+    arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
+    np.savez_compressed(path, **arrays)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="envs/diffpolicy_envs/assets/hopper_medium.npz")
+    parser.add_argument("--env-id", default="Hopper-v5")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-return", type=float, default=1000.0, help="mean sampled return to stop at")
+    parser.add_argument("--max-steps", type=int, default=300_000)
+    parser.add_argument("--eval-every", type=int, default=5_000)
+    parser.add_argument("--eval-episodes", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--band", type=float, nargs=2, default=MEDIUM_BAND, help="return band the test holds the file to"
+    )
+    args = parser.parse_args()
+
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    from diffpolicy_envs.experts import MLPExpert, run_episode
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    env = gym.make(args.env_id)
+    eval_env = gym.make(args.env_id)
+    model = SAC("MlpPolicy", env, seed=args.seed, learning_starts=10_000, verbose=0, device="cpu")
+    tmp = args.out + ".tmp.npz"
+
+    class StopAtMedium(BaseCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reached: float | None = None
+
+        def _on_step(self) -> bool:
+            if self.num_timesteps % args.eval_every:
+                return True
+            export_actor(model, tmp, {})
+            expert = MLPExpert.load(tmp, seed=args.seed, stochastic=True)
+            returns = [
+                run_episode(eval_env, expert, seed=10_000 + i)["return"] for i in range(args.eval_episodes)
+            ]
+            mean = float(np.mean(returns))
+            print(json.dumps({"steps": self.num_timesteps, "mean_return": round(mean, 1),
+                              "wall_s": round(time.perf_counter() - t0)}), flush=True)  # fmt: skip
+            if mean >= args.stop_return:
+                self.reached = mean
+                return False
+            return True
+
+    callback = StopAtMedium()
+    model.learn(total_timesteps=args.max_steps, callback=callback)
+    meta = {
+        "algo": "stable-baselines3 SAC (defaults, learning_starts 10000)",
+        "env_id": args.env_id,
+        "seed": args.seed,
+        "train_steps": int(model.num_timesteps),
+        "stop_return": args.stop_return,
+        "reached_return": callback.reached,
+        "eval_episodes": args.eval_episodes,
+        "eval_seeds": f"10000..{10_000 + args.eval_episodes - 1}",
+        "sampled": True,
+        "return_band": list(args.band),
+    }
+    export_actor(model, args.out, meta)
+    print(json.dumps({**meta, "out": args.out, "wall_s": round(time.perf_counter() - t0)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""env=hopper (issue #23): the committed medium-quality demonstrator, its numpy actor, demonstrations without a
+success notion, and a tiny BC -> chain PPO -> evaluation run through the command line from an empty cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from diffpolicy_envs.experts import ASSETS, POLICY_EXPERTS, MLPExpert, make_expert, run_episode
+
+WEIGHTS = ASSETS / POLICY_EXPERTS["HopperEnv"]
+
+
+def test_committed_demonstrator_scores_in_its_band() -> None:
+    """A few sampled episodes of the committed SAC actor score within the medium band its file states."""
+    expert = make_expert(gym.make("Hopper-v5"), seed=0)
+    assert isinstance(expert, MLPExpert) and expert.stochastic
+    low, high = expert.meta["return_band"]
+    env = gym.make("Hopper-v5")
+    returns = [run_episode(env, expert, seed=50_000 + i)["return"] for i in range(5)]
+    assert low <= float(np.mean(returns)) <= high, returns
+
+
+def test_numpy_actor_matches_torch() -> None:
+    """The numpy forward pass against torch's Linear/ReLU/tanh on the same weights (mean action)."""
+    with np.load(WEIGHTS) as data:
+        weights = {k: data[k] for k in data.files}
+    expert = MLPExpert(weights, stochastic=False)
+    obs = np.random.default_rng(0).normal(size=(7, weights["w0"].shape[1]))
+    h = torch.as_tensor(obs, dtype=torch.float64)
+    i = 0
+    while f"w{i}" in weights:
+        h = torch.relu(h @ torch.as_tensor(weights[f"w{i}"], dtype=torch.float64).T + weights[f"b{i}"])
+        i += 1
+    mu = h @ torch.as_tensor(weights["mu_w"], dtype=torch.float64).T + weights["mu_b"]
+    np.testing.assert_allclose(expert.policy(obs), torch.tanh(mu).numpy(), atol=1e-6)
+
+
+def test_hopper_demos_keep_every_episode(tmp_path: Path) -> None:
+    """Hopper reports no success: every episode is stored (success unknown) with its rewards."""
+    from diffpolicy.config import EnvConfig
+    from diffpolicy.data.dataset import read_meta
+    from diffpolicy.demos import collect_demos
+
+    env = EnvConfig(name="hopper", id="Hopper-v5", obs_mode="state", max_episode_steps=60, num_envs=1)
+    out = collect_demos(env, 2, seed=3, out=tmp_path / "d")
+    assert out["n_kept"] == 2 and out["success_rate"] is None and out["mean_return"] > 0
+    assert read_meta(tmp_path / "d")["success"] == [None, None]
+
+
+@pytest.mark.parametrize("algo", ["dppo_gym"])
+def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
+    """+experiment=hopper with tiny sizes from an empty cache: demonstrations -> BC -> two chain PPO
+    iterations -> held-out returns with intervals, and the return curve in the run directory."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "diffpolicy.train", "+experiment=hopper", f"algo={algo}",
+           "env.num_envs=2", "env.max_episode_steps=100", "bc.n_demos=2", "bc.epochs=2",
+           "policy.mlp_dims=[32,32]", "algo.iterations=2", "algo.n_steps=8", "algo.minibatch_size=16",
+           "eval_episodes=2", "log.progress=false", "log.tensorboard=false",
+           f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("bc_return", "ppo_return", "bc_return_ci", "ppo_return_ci", "eval_episodes", "env_steps"):
+        assert summary[key] is not None, key
+    assert summary["eval_episodes"] == 2 and summary["env_steps"] > 0
+    lo, hi = summary["ppo_return_ci"]
+    assert lo <= summary["ppo_return"] <= hi
+    assert (run / "return.png").is_file()
