@@ -383,7 +383,7 @@ def _critic_epochs(
             learner.critic_optim.zero_grad(set_to_none=True)
             v_loss.backward()
             average_gradients(params, info)
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))  # 0 disables
             learner.critic_optim.step()
             loss_sum, n = loss_sum + float(v_loss.detach()), n + 1
     return loss_sum / max(n, 1)
@@ -423,7 +423,7 @@ def _ppo_epochs(
             learner.actor_optim.zero_grad(set_to_none=True)
             loss.backward()
             average_gradients(params, info)
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))  # 0 disables
             learner.actor_optim.step()
             with torch.no_grad():
                 kl = float(approx_kl(new_logp.detach(), old_logp[idx]))

@@ -160,7 +160,7 @@ def ppo_update(
                 continue
             if epochs_run == 0:  # disjoint minibatches of one rollout: do their gradients agree?
                 agreement.update(actor_params)
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))  # 0 disables
             monitor.update(norm, step=step)
             learner.scaler.step(learner.actor_optim)
             learner.scaler.step(learner.critic_optim)
@@ -262,7 +262,7 @@ def _critic_step(
     learner.critic_optim.zero_grad(set_to_none=True)
     v_loss.backward()
     average_gradients(list(learner.critic.parameters()), info)
-    torch.nn.utils.clip_grad_norm_(learner.critic.parameters(), cfg.max_grad_norm)
+    torch.nn.utils.clip_grad_norm_(learner.critic.parameters(), cfg.max_grad_norm or float("inf"))
     learner.critic_optim.step()
     sums["losses/value"] += float(v_loss.detach())
 
