@@ -27,7 +27,7 @@ def test_cfg_job_prints_config_from_any_directory(tmp_path) -> None:
     ("args", "needle"),
     [
         (["algo=dppo", "--cfg", "job"], "noise_clip: 3.0"),
-        (["~env.expert.max_speed", "--cfg", "job"], "expert: {}"),
+        (["env=obstacle_reach", "+env.expert.side=1", "~env.expert.side", "--cfg", "job"], "expert: {}"),
     ],
 )
 def test_cfg_job_around_overrides_shows_them(args: list[str], needle: str, tmp_path) -> None:
@@ -44,7 +44,7 @@ def test_run_directory_is_named_after_the_entry_point(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     ("override", "needle"),
-    [("device=npu", "torch_npu"), ("env.nonexistent=1", "env.nonexistent"), ("algo.gamma=7", "algo.gamma")],
+    [("device=npu", "torch_npu"), ("env.nonexistent=1", "env.nonexistent"), ("algo.lr=-1", "algo.lr")],
 )
 def test_bad_input_is_one_line(override: str, needle: str, tmp_path) -> None:
     if override == "device=npu" and os.environ.get("ASCEND_HOME_PATH"):

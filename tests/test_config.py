@@ -50,7 +50,7 @@ def test_checkpoint_entry_points_compose_and_require_one(name: str, compose) -> 
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ("algo.gamma=1.5", "algo.gamma"),
+        ("algo=ppo algo.gamma=1.5", "algo.gamma"),
         ("algo=ppo algo.clip=sometimes", "algo.clip"),
         ("algo=filtered_bc algo.explore=wander", "algo.explore"),
         ("env.num_envs=0", "env.num_envs"),

@@ -14,15 +14,16 @@ def test_make_quick_runs_the_quick_preset() -> None:
     """The Makefile's verb is the command this file tests, and the preset keeps every budget small."""
     assert "-m diffpolicy.train +experiment=quick" in (ROOT / "Makefile").read_text()
     cfg = compose("train", ["+experiment=quick"])
-    assert cfg.env.name == "mujoco_pick" and cfg.env.obs_mode == "state" and cfg.algo.head == "residual"
+    assert cfg.env.name == "mujoco_pick" and cfg.env.obs_mode == "state" and cfg.algo.head == "filtered_bc"
     assert cfg.bc.n_demos <= 20 and cfg.bc.epochs <= 100 and max(cfg.policy.down_dims) <= 64
-    assert cfg.algo.iterations * cfg.algo.n_steps * cfg.env.num_envs <= 2_000  # PPO env steps
+    assert cfg.algo.iterations * cfg.algo.round_episodes * cfg.env.max_episode_steps <= 4_000  # env steps
+    assert cfg.algo.iterations * cfg.algo.bc_steps <= 100
     assert cfg.eval_episodes <= 16 and cfg.video_episodes == 0
 
 
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
     """The quick preset from an empty cache, in process, with its BC and PPO budgets cut further: collect,
-    clone, one residual PPO iteration, evaluate before and after."""
+    clone, one filtered_bc round, evaluate before and after."""
     from diffpolicy.train import main
 
     cfg = compose(
@@ -32,8 +33,8 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
             "bc.n_demos=2",
             "bc.epochs=2",
             "algo.iterations=1",
-            "algo.n_steps=30",
-            "algo.minibatch_size=60",
+            "algo.round_episodes=2",
+            "algo.bc_steps=3",
             "env.num_envs=2",
             "eval_episodes=2",
             "log.progress=false",
@@ -42,8 +43,8 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         ],
     )
     summary = main(cfg, tmp_path / "run")
-    assert summary is not None and summary["head"] == "residual"
-    assert summary["env_steps"] == 60 and summary["eval_episodes"] == 2
+    assert summary is not None and summary["head"] == "filtered_bc"
+    assert 0 < summary["env_steps"] <= 2 * 120 and summary["eval_episodes"] == 2
     assert 0.0 <= summary["bc_success_rate"] <= 1.0 and 0.0 <= summary["ppo_success_rate"] <= 1.0
     assert checkpoint.load(tmp_path / "run" / "checkpoints").step == 1
     assert list((tmp_path / "cache" / "bc").iterdir()), "the BC checkpoint was not cached"

@@ -257,7 +257,7 @@ def test_critic_warmup_trains_only_the_critic(tmp_path: Path, init_ckpt: Path) -
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "losses/value" in r]
     assert rows and all(r["losses/value"] > 0 for r in rows)
     with pytest.raises(ValueError, match="critic_warmup"):
-        compose("train", ["algo.critic_warmup=-1"])
+        compose("train", ["algo=ppo", "algo.critic_warmup=-1"])
 
 
 def test_grpo_needs_whole_groups(init_ckpt: Path) -> None:
@@ -273,10 +273,12 @@ def test_tiny_policy_config_is_valid() -> None:
 def test_default_run_is_the_cpu_mission() -> None:
     """What ``python -m diffpolicy.train env=mujoco_pick`` composes to (the README's mission settings)."""
     cfg = compose("train", ["env=mujoco_pick"])
-    assert cfg.env.obs_mode == "state" and cfg.env.demo_failures and cfg.env.expert == {"max_speed": 0.008}
-    assert cfg.algo.head == "residual" and cfg.algo.advantage == "gae" and cfg.algo.signal_scaled_lr
-    assert cfg.algo.iterations * cfg.algo.n_steps * cfg.env.num_envs <= 1_000_000  # env-step budget
+    assert cfg.env.obs_mode == "state" and cfg.env.expert == {"max_speed": None} and cfg.bc.n_demos == 20
+    assert cfg.algo.head == "filtered_bc" and cfg.algo.explore == "chain"
+    assert cfg.algo.iterations * cfg.algo.round_episodes * cfg.env.max_episode_steps <= 1_000_000  # env steps
     assert cfg.policy.horizon == 16 and cfg.eval_episodes >= 200
+    pre = compose("pretrain", ["env=mujoco_pick"])  # pretrain clones, and judges, the same BC
+    assert pre.bc == cfg.bc and pre.env == cfg.env and pre.algo.head == cfg.algo.head
 
 
 @pytest.mark.parametrize("algo", ["residual", "ppo"])

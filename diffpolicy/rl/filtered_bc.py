@@ -226,7 +226,7 @@ class FilteredBCHead:
         n_demo, n_kept = len(self.demos), len(self.kept)
         batch = min(self.cfg.bc.batch_size, n_demo + n_kept)
         warmup = max(1, algo.bc_steps // 20)
-        total = 0.0
+        total, values = 0.0, []
         for k in range(algo.bc_steps):
             for group in self.optim.param_groups:
                 group["lr"] = algo.lr * min(1.0, (k + 1) / warmup)
@@ -247,9 +247,13 @@ class FilteredBCHead:
             if not math.isfinite(value):
                 raise ValueError(f"filtered-BC loss is {value} at round {iteration + 1}; lower algo.lr")
             total += value
+            values.append(value)
         self.policy.eval()
+        tenth = max(1, len(values) // 10)
         return {
             "losses/bc": total / max(1, algo.bc_steps),
+            "losses/bc_first": sum(values[:tenth]) / tenth,  # is the round's continuation still learning?
+            "losses/bc_last": sum(values[-tenth:]) / tenth,
             "train/kept_windows": float(n_kept),
             "train/added_windows": float(getattr(self, "_added", 0)),
             "train/demo_fraction": n_demo / max(1, n_demo + n_kept),
