@@ -19,7 +19,7 @@ from diffpolicy.demos import cached_demos, collect_demos, demos_key
 ROOT = Path(__file__).resolve().parents[1]
 REACH = EnvConfig(name="obstacle_reach", id="diffpolicy_envs:ObstacleReach-v0", obs_mode="state")
 PICK = EnvConfig(image_size=32, n_points=64)
-KEYS = {"success_rate", "n_episodes", "n_kept", "steps", "path", "wall_time_s"}
+KEYS = {"success_rate", "mean_return", "n_episodes", "n_kept", "steps", "path", "wall_time_s"}
 
 
 def test_collect_reach_function(tmp_path):
