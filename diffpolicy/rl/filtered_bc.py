@@ -41,6 +41,7 @@ from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
 from diffpolicy.env_factory import make_envs, step_info
 from diffpolicy.policies.base import act, to_policy_obs
+from diffpolicy.rl.head_base import PolicyHead
 from diffpolicy.rl.rollout import RolloutStats
 
 TRAIN_SEED_BASE = 10_000_000
@@ -135,7 +136,7 @@ def ema_update(target: torch.nn.Module, source: torch.nn.Module, decay: float) -
         t.copy_(s)
 
 
-class FilteredBCHead:
+class FilteredBCHead(PolicyHead):
     """Success-filtered self-imitation on the whole diffusion policy (module docstring)."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger: Any) -> None:
@@ -271,18 +272,3 @@ class FilteredBCHead:
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.policy, self.model]
-
-    def saved_policy(self) -> Any:
-        return self.policy
-
-    def artifact(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return {}, {}
-
-    def load_weights(self, state: dict[str, Any]) -> None:
-        checkpoint.load_state(self.policy, state["policy"], name="policy")
-
-    def on_rollback(self) -> None:
-        """Nothing beyond the restored weights (the kept windows stay: they were successes)."""
-
-    def close(self) -> None:
-        self.venv.close()

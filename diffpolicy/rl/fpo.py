@@ -31,6 +31,7 @@ from diffpolicy.env_factory import make_envs
 from diffpolicy.models.critic import Critic
 from diffpolicy.rl.advantages import gae_advantages, normalize
 from diffpolicy.rl.buffer import RolloutBuffer
+from diffpolicy.rl.head_base import PolicyHead
 from diffpolicy.rl.ppo import value_loss
 from diffpolicy.rl.rollout import RolloutStats, collect_rollout
 from diffpolicy.rl.update import batch_obs
@@ -71,7 +72,7 @@ def fpo_ratio_loss(
     return -surrogate.mean(), stats
 
 
-class FPOHead:
+class FPOHead(PolicyHead):
     """FPO on the whole denoiser of ``policy``: the chain head's rollout, the denoising-loss ratio's update."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger: Any) -> None:
@@ -182,19 +183,3 @@ class FPOHead:
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.policy, self.critic]
-
-    def saved_policy(self) -> Any:
-        return self.policy
-
-    def artifact(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        base = getattr(self.policy, "base_denoiser", None)
-        return ({"base_denoiser": base.state_dict()} if base is not None else {}), {}
-
-    def load_weights(self, state: dict[str, Any]) -> None:
-        checkpoint.load_state(self.policy, state["policy"], name="policy")
-
-    def on_rollback(self) -> None:
-        """Nothing beyond the restored weights."""
-
-    def close(self) -> None:
-        self.venv.close()

@@ -34,6 +34,7 @@ from diffpolicy.ops import gae
 from diffpolicy.policies.residual import ResidualPolicy, StepActor
 from diffpolicy.rl.advantages import gae_advantages, grpo_advantages
 from diffpolicy.rl.buffer import TEXT, RolloutBuffer, ppo_specs
+from diffpolicy.rl.head_base import PolicyHead
 from diffpolicy.rl.ppo import clip_schedule
 from diffpolicy.rl.residual import ResidualLearner, collect_steps, residual_specs, residual_update
 from diffpolicy.rl.rollout import RolloutStats, collect_rollout
@@ -63,7 +64,7 @@ def chain_specs(policy: Any, cond_dim: int) -> dict[str, Any]:
     return specs
 
 
-class ChainHead:
+class ChainHead(PolicyHead):
     """PPO on the denoising chain of ``policy`` (a diffusion or Gaussian policy)."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger: Any) -> None:
@@ -169,24 +170,6 @@ class ChainHead:
     def modules(self) -> list[torch.nn.Module]:
         """Modules rank 0 broadcasts at the start."""
         return [self.policy, self.critic]
-
-    def saved_policy(self) -> Any:
-        return self.policy
-
-    def artifact(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """With K' < K the frozen pre-trained denoiser of the first K - K' steps rides with the policy, so
-        ``evaluate``/``export``/``serve`` sample those steps as training did."""
-        base = getattr(self.policy, "base_denoiser", None)
-        return ({"base_denoiser": base.state_dict()} if base is not None else {}), {}
-
-    def load_weights(self, state: dict[str, Any]) -> None:
-        checkpoint.load_state(self.policy, state["policy"], name="policy")
-
-    def on_rollback(self) -> None:
-        """Nothing beyond the restored weights."""
-
-    def close(self) -> None:
-        self.venv.close()
 
 
 # --------------------------------------------------------------------------------------------- residual
