@@ -13,7 +13,7 @@ needs stable-baselines3:
 Its ``meta`` entry records the seed, the training steps, the return reached and the band the test holds the
 file to. The committed ``assets/hopper_sac_55k.npz`` is this script's seed-0 run cut short: the actor exported
 at its 55 000-step evaluation (sampled return ~340, below medium), when the machine's CPU went to another job
-(docs/hopper.md). A full run (about 100 k SAC steps) writes ``hopper_medium.npz``.
+(docs/experiments.md, 2026-12-01 Hopper). A full run (about 100 k SAC steps) writes ``hopper_medium.npz``.
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ POLICY_EXPERTS: dict[str, str] = {"HopperEnv": "hopper_sac_55k.npz"}
 """Unwrapped env class name -> the trained actor (``assets/``) that demonstrates it. Hopper-v5's is a SAC agent
 (``scripts/hopper_medium_policy.py``, seed 0) stopped after 55 000 steps at a sampled return of ~340, below the
 medium quality (about a third of an expert's return) the script stops at by itself: the run was starved of CPU
-(docs/hopper.md). A medium file from a full run replaces it by name here and in ``conf/env/hopper.yaml``."""
+(docs/experiments.md, 2026-12-01 Hopper). A medium file from a full run replaces it by name here and in ``conf/env/hopper.yaml``."""
 
 
 def make_expert(env: gym.Env, seed: int | None = None, **kwargs: Any) -> PickExpert | ReachExpert | MLPExpert:
