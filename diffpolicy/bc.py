@@ -65,14 +65,18 @@ class EMA:
         self.max_decay = max_decay
         self.updates = 0
 
-    @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
-        decay = min(self.max_decay, (1 + self.updates) / (10 + self.updates))
-        for ema_p, p in zip(self.module.parameters(), module.parameters()):
-            ema_p.lerp_(p.detach(), 1.0 - decay)
-        for ema_b, b in zip(self.module.buffers(), module.buffers()):
-            ema_b.copy_(b)
+        ema_update(self.module, module, min(self.max_decay, (1 + self.updates) / (10 + self.updates)))
         self.updates += 1
+
+
+@torch.no_grad()
+def ema_update(target: torch.nn.Module, source: torch.nn.Module, decay: float) -> None:
+    """target <- decay * target + (1 - decay) * source (parameters); buffers (normalisers) copied."""
+    for t, s in zip(target.parameters(), source.parameters()):
+        t.lerp_(s.detach(), 1.0 - decay)
+    for t, s in zip(target.buffers(), source.buffers()):
+        t.copy_(s)
 
 
 @torch.no_grad()

@@ -34,12 +34,13 @@ import numpy as np
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.bc import BC_WEIGHT_DECAY
+from diffpolicy.bc import BC_WEIGHT_DECAY, ema_update
 from diffpolicy.config import TrainConfig
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
 from diffpolicy.env_factory import make_envs, step_info
+from diffpolicy.evaluation import EpisodeRecord
 from diffpolicy.policies.base import act, to_policy_obs
 from diffpolicy.rl.head_base import PolicyHead
 from diffpolicy.rl.rollout import RolloutStats
@@ -83,19 +84,9 @@ class WindowStore:
         return len(actions)
 
     def _consolidate(self) -> None:
-        if not self._chunks:
-            return
-        parts = ([(self.obs, self.actions)] if len(self.actions) else []) + self._chunks
-        self.obs = {
-            key: (
-                [s for o, _ in parts for s in o[key]]
-                if key == "instruction"
-                else torch.cat([o[key] for o, _ in parts])
-            )
-            for key in parts[0][0]
-        }
-        self.actions = torch.cat([a for _, a in parts])
-        self._chunks = []
+        if self._chunks:
+            self.obs, self.actions = concat_batches([(self.obs, self.actions), *self._chunks])
+            self._chunks = []
 
     def batch(self, idx: torch.Tensor, device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
         """Windows ``idx`` (B,) -> (obs (B, 1, ...) on ``device``, actions (B, Ta, Da))."""
@@ -127,20 +118,11 @@ def concat_batches(parts: list[tuple[dict[str, Any], torch.Tensor]]) -> tuple[di
     return obs, torch.cat([a for _, a in parts])
 
 
-@torch.no_grad()
-def ema_update(target: torch.nn.Module, source: torch.nn.Module, decay: float) -> None:
-    """target <- decay * target + (1 - decay) * source (parameters); buffers copied."""
-    for t, s in zip(target.parameters(), source.parameters()):
-        t.lerp_(s.detach(), 1.0 - decay)
-    for t, s in zip(target.buffers(), source.buffers()):
-        t.copy_(s)
-
-
 class FilteredBCHead(PolicyHead):
     """Success-filtered self-imitation on the whole diffusion policy (module docstring)."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger: Any) -> None:
-        from diffpolicy.demos import cached_demos
+        from diffpolicy.demos import demonstrations
 
         if cfg.policy.n_obs_steps != 1:
             raise ValueError(
@@ -155,12 +137,11 @@ class FilteredBCHead(PolicyHead):
         self.model = copy.deepcopy(policy).train()  # the weights the optimiser moves
         self.model.set_freeze_encoders(cfg.policy.freeze_encoders)
         self.policy.requires_grad_(False)
-        demos = cfg.bc.demos if getattr(cfg.bc, "demos", "") else None
-        if demos is None:
-            demos, _ = cached_demos(cfg.env, cfg.bc.n_demos, cfg.seed, cfg.cache_dir)
-        self.demos = DemoWindows(demos, 1, policy.horizon, obs_keys=list(policy.obs_spec))
-        self.kept = WindowStore(policy.horizon)
+        demos, _ = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir)  # the ones BC was cloned from
         self.keys = list(policy.obs_spec)  # the observation fields the policy reads
+        self.demos = DemoWindows(demos, 1, policy.horizon, obs_keys=self.keys)
+        self.kept = WindowStore(policy.horizon)
+        self._added = 0  # windows the last rollout kept
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optim = torch.optim.AdamW(
             self.params, lr=cfg.algo.lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY
@@ -178,42 +159,36 @@ class FilteredBCHead(PolicyHead):
         algo, n, device = self.cfg.algo, self.cfg.env.num_envs, self.rt.device
         deterministic = algo.explore == "deterministic"
         gen = torch.Generator(device=device).manual_seed(seed)
-        stats = RolloutStats()
+        stats, record = RolloutStats(), EpisodeRecord(n)
         base = TRAIN_SEED_BASE + seed % (2**31 - 2 * TRAIN_SEED_BASE)
         self.policy.eval()
         added = 0
         for start in range(0, algo.round_episodes, n):
             live = np.arange(n) < min(n, algo.round_episodes - start)
             obs, _ = self.venv.reset(seed=[base + start + i for i in range(n)])
-            done, ret, succ = ~live, np.zeros(n), np.zeros(n, dtype=bool)
+            record.begin(live)
             episodes: list[list[tuple[dict[str, Any], np.ndarray]]] = [[] for _ in range(n)]
-            while not done.all():
+            while not record.wave_done:
                 t0 = time.perf_counter()
                 actions, _ = act(
                     self.policy, to_policy_obs(obs, device), deterministic=deterministic,
                     autocast=self.rt.autocast, generator=gen,
                 )  # fmt: skip
                 t1 = time.perf_counter()
-                next_obs, reward, term, trunc, info = self.venv.step(actions)
+                obs_next, reward, term, trunc, info = self.venv.step(actions)
                 stats.policy_s, stats.env_s = stats.policy_s + t1 - t0, stats.env_s + time.perf_counter() - t1
                 executed = step_info(info, "executed", n, actions.shape[1])
-                for i in np.flatnonzero(~done):
+                for i in np.flatnonzero(~record.done):
                     seen = {
                         k: (str(obs[k][i]) if k == "instruction" else np.array(obs[k][i])) for k in self.keys
                     }
                     episodes[i].append((seen, actions[i, : int(executed[i])]))
-                active = ~done
-                stats.env_steps += int(executed[active].sum())
-                ret[active] += reward[active]
-                succ[active] |= step_info(info, "is_success", n, False).astype(bool)[active]
-                done |= term | trunc
-                obs = next_obs
-            for i in np.flatnonzero(live):
-                stats.episodes += 1
-                stats.returns.append(float(ret[i]))
-                if succ[i]:
-                    stats.successes += 1
-                    added += self.kept.add_episode(episodes[i])
+                record.step(reward, term, trunc, info, executed)
+                obs = obs_next
+            added += sum(self.kept.add_episode(episodes[i]) for i in np.flatnonzero(live & record.succ))
+            record.end()
+        stats.env_steps, stats.episodes = record.env_steps, len(record.successes)
+        stats.successes, stats.returns = int(sum(record.successes)), record.returns
         self._added = added
         return stats
 
@@ -227,7 +202,7 @@ class FilteredBCHead(PolicyHead):
         n_demo, n_kept = len(self.demos), len(self.kept)
         batch = min(self.cfg.bc.batch_size, n_demo + n_kept)
         warmup = max(1, algo.bc_steps // 20)
-        total, values = 0.0, []
+        values = []
         for k in range(algo.bc_steps):
             for group in self.optim.param_groups:
                 group["lr"] = algo.lr * min(1.0, (k + 1) / warmup)
@@ -247,16 +222,15 @@ class FilteredBCHead(PolicyHead):
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise ValueError(f"filtered-BC loss is {value} at round {iteration + 1}; lower algo.lr")
-            total += value
             values.append(value)
         self.policy.eval()
         tenth = max(1, len(values) // 10)
         return {
-            "losses/bc": total / max(1, algo.bc_steps),
+            "losses/bc": sum(values) / max(1, len(values)),
             "losses/bc_first": sum(values[:tenth]) / tenth,  # is the round's continuation still learning?
             "losses/bc_last": sum(values[-tenth:]) / tenth,
             "train/kept_windows": float(n_kept),
-            "train/added_windows": float(getattr(self, "_added", 0)),
+            "train/added_windows": float(self._added),
             "train/demo_fraction": n_demo / max(1, n_demo + n_kept),
         }
 

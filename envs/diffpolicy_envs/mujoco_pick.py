@@ -672,8 +672,7 @@ class MujocoPickEnv(gym.Env):
             self._ever_grasped = True
         elif not self._ever_grasped:
             if closing:
-                miss = _norm(ee - cube)
-                self._grasp_miss = miss if not miss >= self._grasp_miss else self._grasp_miss  # NaN-aware min
+                self._grasp_miss = float(np.fmin(self._grasp_miss, _norm(ee - cube)))  # NaN until the first
                 self._wrong_grasp = self._wrong_grasp or self._other_cube_held()
         elif self._was_grasped:  # the grasp was lost on this step: where?
             rel = ee[:2] - self.tray_pos[:2]
@@ -684,7 +683,7 @@ class MujocoPickEnv(gym.Env):
         if not self._ever_grasped:
             if self._wrong_grasp:
                 return "wrong_cube"
-            return "never_grasped" if self._grasp_miss == self._grasp_miss else "timed_out"
+            return "timed_out" if math.isnan(self._grasp_miss) else "never_grasped"
         rel = cube - self.tray_pos
         in_tray = abs(rel[0]) < TRAY_INNER_HALF and abs(rel[1]) < TRAY_INNER_HALF and rel[2] < 0.08
         if grasped or in_tray:
