@@ -34,6 +34,21 @@ def test_train_composes_typed(compose) -> None:
     assert cfg.policy.down_dims == [256, 512, 1024]
 
 
+@pytest.mark.parametrize("name", ["train", "pretrain"])
+def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, compose) -> None:
+    """env=hopper chooses DPPO's Gym actor and learner and BC's budget; mujoco_pick keeps train.yaml's."""
+    cfg = compose(name, ["env=hopper"])
+    assert (cfg.policy.name, cfg.algo.name, cfg.bc.n_demos, cfg.bc.epochs, cfg.eval_episodes) == (
+        "mlp", "dppo_gym", 100, 100, 50,
+    )  # fmt: skip
+    cfg = compose(name, ["env=hopper", "algo=residual", "policy=unet_small", "bc.n_demos=3"])
+    assert (cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == ("unet_small", "residual", 3)
+    cfg = compose(name)
+    assert (cfg.env.name, cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == (
+        "mujoco_pick", "unet_small", "filtered_bc", 20,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("name", ["train", "pretrain", "collect", "bench"])
 def test_primary_configs_compose(name: str, compose) -> None:
     assert isinstance(compose(name), C.PRIMARY[name])
@@ -53,6 +68,7 @@ def test_checkpoint_entry_points_compose_and_require_one(name: str, compose) -> 
         ("algo=ppo algo.gamma=1.5", "algo.gamma"),
         ("algo=ppo algo.clip=sometimes", "algo.clip"),
         ("algo=filtered_bc algo.explore=wander", "algo.explore"),
+        ("algo=filtered_bc algo.explore_std=-0.1", "algo.explore_std"),
         ("env.num_envs=0", "env.num_envs"),
         ("policy.ft_steps=50", "policy.ft_steps"),
         ("policy.kernel_size=4", "policy.kernel_size"),

@@ -145,3 +145,56 @@ def test_tiny_fpo_run(tmp_path: Path, init_ckpt: Path) -> None:
     moved = checkpoint.load(tmp_path / "run" / "checkpoints").state["policy"]
     start = checkpoint.load(init_ckpt).state["policy"]
     assert any(not torch.equal(moved[k], start[k]) for k in start if "denoiser" in k)
+
+
+def test_chunk_exploration_keeps_the_executed_noisy_actions(init_ckpt: Path, monkeypatch) -> None:
+    """explore=chunk: the deterministic chain's actions plus one noise draw held over each decision's steps,
+    and a successful episode's windows hold exactly those executed actions."""
+    from test_train import TINY_POLICY, TINY_RUN
+
+    from diffpolicy.cli import compose
+    from diffpolicy.device import Runtime
+    from diffpolicy.distributed import DistInfo
+    from diffpolicy.policy_io import load_policy
+    from diffpolicy.rl import filtered_bc
+
+    run = [a for a in TINY_RUN if not a.startswith("algo")] + [
+        "algo=filtered_bc", "algo.explore=chunk", "algo.explore_std=0.3", "algo.round_episodes=2",
+        "bc.n_demos=2",
+    ]  # fmt: skip
+    cfg = compose("train", [*run, *TINY_POLICY])
+    rt = Runtime(device=torch.device("cpu"))
+    policy = load_policy(init_ckpt, rt.device)[0]
+    head = filtered_bc.FilteredBCHead(cfg, rt, DistInfo(), policy, logger=None)
+    planned: list[np.ndarray] = []
+    real_act = filtered_bc.act
+
+    def spy(*args, **kwargs):
+        assert kwargs["deterministic"], "explore=chunk samples the deterministic chain"
+        actions, out = real_act(*args, **kwargs)
+        planned.append(actions.copy())
+        return actions, out
+
+    kept: list[np.ndarray] = []
+    monkeypatch.setattr(filtered_bc, "act", spy)
+    monkeypatch.setattr(
+        head.kept, "add_episode", lambda d: kept.append(np.concatenate([a for _, a in d])) or len(d)
+    )
+
+    class AllSucceed(filtered_bc.EpisodeRecord):  # every episode counts as a success, so every one is kept
+        def step(self, *args, **kwargs):
+            super().step(*args, **kwargs)
+            self.succ[:] = True
+
+    monkeypatch.setattr(filtered_bc, "EpisodeRecord", AllSucceed)
+    try:
+        head.rollout(seed=3)
+    finally:
+        head.close()
+    first = planned[0][0]  # (Te, Da): env 0's first plan, before noise
+    executed = kept[0][: len(first)]
+    offset = executed - first
+    inside = np.abs(executed) < 1.0  # the clip to [-1, 1] did not touch these entries
+    assert np.abs(offset[inside]).max() > 0.01, "no noise was added"
+    held = np.where(inside, offset, np.nan)
+    assert np.allclose(np.nanmax(held, 0), np.nanmin(held, 0), atol=1e-6), "noise changes within a chunk"

@@ -58,10 +58,10 @@ def test_hopper_demos_keep_every_episode(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("algo", ["dppo_gym"])
 def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
-    """+experiment=hopper with tiny sizes from an empty cache: demonstrations -> BC -> two chain PPO
+    """env=hopper with tiny sizes from an empty cache: demonstrations -> BC -> two chain PPO
     iterations -> held-out returns with intervals, and the return curve in the run directory."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "diffpolicy.train", "+experiment=hopper", f"algo={algo}",
+    cmd = [sys.executable, "-m", "diffpolicy.train", "env=hopper", f"algo={algo}", "video_episodes=0",
            "env.num_envs=2", "env.max_episode_steps=100", "bc.n_demos=2", "bc.epochs=2",
            "policy.mlp_dims=[32,32]", "algo.iterations=2", "algo.n_steps=8", "algo.minibatch_size=16",
            "eval_episodes=2", "log.progress=false", "log.tensorboard=false",

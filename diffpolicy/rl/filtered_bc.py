@@ -5,8 +5,10 @@ One round (one iteration of the loop in ``train.py``):
 1. **Rollout.** ``algo.round_episodes`` episodes on fresh training scenes (seeds disjoint from the
    demonstrations' and the held-out ones), in waves of ``env.num_envs`` decision-level environments, with the
    policy that is evaluated (the EMA weights), sampled as ``algo.explore`` says: ``deterministic`` (every
-   DDIM step's mean, the held-out protocol: the scene alone decides the outcome) or ``chain`` (the stochastic
-   chain).
+   DDIM step's mean, the held-out protocol: the scene alone decides the outcome), ``chain`` (the stochastic
+   chain) or ``chunk`` (the deterministic chain, its executed actions offset by Gaussian noise of std
+   ``algo.explore_std`` held over each decision's steps: :class:`diffpolicy.evaluation.Exploration`). The
+   actions kept are the ones executed, noise included.
 2. **Filter.** Every decision of a successful episode becomes a training window: its observation (To = 1)
    and the Ta actions executed from there on (the following decisions' executed actions; the last one
    repeated past the episode's end), exactly the windows a demonstration gives at the steps where the policy
@@ -40,7 +42,7 @@ from diffpolicy.data.windows import DemoWindows
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
 from diffpolicy.env_factory import make_envs, step_info
-from diffpolicy.evaluation import EpisodeRecord
+from diffpolicy.evaluation import EpisodeRecord, Exploration
 from diffpolicy.policies.base import act, to_policy_obs
 from diffpolicy.rl.head_base import PolicyHead
 from diffpolicy.rl.rollout import RolloutStats
@@ -157,7 +159,9 @@ class FilteredBCHead(PolicyHead):
     def rollout(self, seed: int) -> RolloutStats:
         """``algo.round_episodes`` episodes on fresh scenes; the successful ones' windows are kept."""
         algo, n, device = self.cfg.algo, self.cfg.env.num_envs, self.rt.device
-        deterministic = algo.explore == "deterministic"
+        deterministic = algo.explore != "chain"
+        noise = Exploration(algo.explore_std if algo.explore == "chunk" else 0.0, hold="chunk")
+        rng = np.random.default_rng(seed)
         gen = torch.Generator(device=device).manual_seed(seed)
         stats, record = RolloutStats(), EpisodeRecord(n)
         base = TRAIN_SEED_BASE + seed % (2**31 - 2 * TRAIN_SEED_BASE)
@@ -174,6 +178,7 @@ class FilteredBCHead(PolicyHead):
                     self.policy, to_policy_obs(obs, device), deterministic=deterministic,
                     autocast=self.rt.autocast, generator=gen,
                 )  # fmt: skip
+                actions = noise.apply(actions, rng)  # (n, Te, Da): what is executed and, on success, kept
                 t1 = time.perf_counter()
                 obs_next, reward, term, trunc, info = self.venv.step(actions)
                 stats.policy_s, stats.env_s = stats.policy_s + t1 - t0, stats.env_s + time.perf_counter() - t1
