@@ -142,7 +142,8 @@ def step_info(info: dict[str, Any], key: str, num_envs: int, default: Any) -> np
     With same-step autoreset an environment whose episode ended is already reset, and the top-level info
     holds its reset info; the last step's info is in ``info["final_info"]`` where ``info["_final_info"]``.
     """
-    out = np.asarray(info.get(key, np.full(num_envs, default))).copy()
+    out = np.asarray(info.get(key, np.full(num_envs, default)))
+    out = out.astype(object) if out.dtype.kind == "U" else out.copy()  # strings of any length fit
     done = np.asarray(info.get("_final_info", np.zeros(num_envs, dtype=bool)), dtype=bool)
     if done.any():
         final = info["final_info"]

@@ -88,6 +88,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "success_rate": result.success_rate,
         "success_ci": [round(v, 3) for v in result.wilson()],
         "failures": result.failures(),
+        "drops": result.drops(),  # dropped / missed_tray by how the grasp was lost: released | slipped
         "n_episodes": result.episodes,
         "mean_return": result.mean_return,
         "return_ci": [round(v, 2) for v in result.return_ci()],  # 95 % Student-t interval of the mean

@@ -38,6 +38,9 @@ class EvalResult:
     wrong_cube, never_grasped, dropped, missed_tray, timed_out), else success / failed."""
     grasp_miss: list[float] = field(default_factory=list)
     """The env's final ``info["grasp_miss"]`` (m; NaN when it reports none)."""
+    lost_grip: list[str] = field(default_factory=list)
+    """The env's final ``info["lost_grip"]``: how the grasp was lost (released | slipped; '' when it was
+    not, or the env reports none)."""
     returns: list[float] = field(default_factory=list)
     """Each episode's undiscounted return (sum of its rewards)."""
 
@@ -52,6 +55,17 @@ class EvalResult:
     def failures(self) -> dict[str, int]:
         """Failed episodes per reason, most frequent first (the failure map)."""
         return failure_counts(self.successes, self.outcomes)
+
+    def drops(self) -> dict[str, int]:
+        """The dropped and missed-tray episodes by how the grasp was lost: released (the policy opened the
+        jaws) or slipped (the cube slid out of closed jaws); unknown where the env reports neither."""
+        counts: dict[str, int] = {}
+        for i, outcome in enumerate(self.outcomes):
+            if outcome in ("dropped", "missed_tray"):
+                how = (self.lost_grip[i] if i < len(self.lost_grip) else "") or "unknown"
+                key = f"{outcome}/{how}"
+                counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def failure_counts(successes: list[bool], outcomes: list[str]) -> dict[str, int]:
@@ -202,6 +216,7 @@ class EpisodeRecord:
         self.returns: list[float] = []
         self.outcomes: list[str] = []
         self.grasp_miss: list[float] = []
+        self.lost_grip: list[str] = []
         self.env_steps = 0
 
     def begin(self, live: np.ndarray) -> None:
@@ -209,6 +224,7 @@ class EpisodeRecord:
         self.live, self.done = live, ~live
         self.ret, self.succ = np.zeros(n), np.zeros(n, dtype=bool)
         self.outcome, self.miss = np.full(n, FAILED, dtype=object), np.full(n, np.nan)
+        self.lost = np.full(n, "", dtype=object)
 
     @property
     def wave_done(self) -> bool:
@@ -225,6 +241,7 @@ class EpisodeRecord:
         if ended.any():
             self.outcome[ended] = step_info(info, "outcome", n, FAILED).astype(object)[ended]
             self.miss[ended] = step_info(info, "grasp_miss", n, np.nan).astype(float)[ended]
+            self.lost[ended] = step_info(info, "lost_grip", n, "").astype(object)[ended]
         self.done |= ended
 
     def end(self) -> None:
@@ -235,6 +252,7 @@ class EpisodeRecord:
         self.returns += self.ret[live].tolist()
         self.outcomes += [str(o) for o in outcome]
         self.grasp_miss += self.miss[live].tolist()
+        self.lost_grip += [str(v) for v in self.lost[live]]
 
 
 def _result(record: EpisodeRecord) -> EvalResult:
@@ -246,6 +264,7 @@ def _result(record: EpisodeRecord) -> EvalResult:
         successes=record.successes,
         outcomes=record.outcomes,
         grasp_miss=record.grasp_miss,
+        lost_grip=record.lost_grip,
         returns=record.returns,
     )
 

@@ -49,6 +49,7 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
             summary["success_rate"] = result.success_rate
             summary["success_ci"] = [round(v, 3) for v in result.wilson()]
             summary["failures"] = result.failures()
+            summary["drops"] = result.drops()
             summary["eval_episodes"] = result.episodes
     curve = plot_curve(
         run_dir / "metrics.jsonl", "losses/bc", run_dir / "bc_loss.png", title="behaviour cloning"

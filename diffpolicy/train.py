@@ -242,6 +242,7 @@ def fine_tune(
                 "bc": failure_counts(bc["successes"], bc.get("outcomes", [])),
                 "ppo": after.failures(),
             },
+            "drops": after.drops(),  # the fine-tuned policy's drops by how the grasp was lost
             "head": algo.head,
             "env_steps": env_steps,
             "env_sps": round(ppo_steps / ppo_time, 1) if ppo_time > 0 else None,

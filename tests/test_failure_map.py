@@ -38,7 +38,8 @@ def test_expert_outcomes_name_what_went_wrong() -> None:
 
     assert _episode(0, expert(**precise))["outcome"] == "success"
     assert _episode(0, expert(max_speed=0.002))["outcome"] == "timed_out"  # far too slow to finish
-    assert _episode(0, expert(place_bias=(0.10, 0.0)))["outcome"] == "missed_tray"  # released beside it
+    beside = _episode(0, expert(place_bias=(0.10, 0.0)))
+    assert beside["outcome"] == "missed_tray" and beside["lost_grip"] == "released"  # released beside it
 
 
 def test_wrong_cube_and_missed_grasp() -> None:
@@ -88,7 +89,36 @@ def test_dropped_when_the_grasp_is_lost_away_from_the_tray() -> None:
             a[6] = -1.0
         return a
 
-    assert _episode(0, drop_early)["outcome"] == "dropped"
+    info = _episode(0, drop_early)
+    assert info["outcome"] == "dropped" and info["lost_grip"] == "released"  # the policy let go
+
+    env = gym.make("diffpolicy_envs:MujocoPick-v0", obs_mode="state")
+    env.reset(seed=0)
+    u, expert, held, info = env.unwrapped, make_expert(env, seed=0), 0, {}
+    for _ in range(120):  # the expert grasps and lifts; then the cube loses its friction in closed jaws
+        a = expert.act(env)
+        held += u.target_grasped()
+        if held > 12:
+            for g in (int(u.cube_geoms[u.target_id]), *map(int, u.finger_geoms)):  # contacts take the max
+                u.model.geom_friction[g] = 0.0
+            a = a.copy()
+            a[6] = 1.0
+        info = env.step(a)[-1]
+        if info["lost_grip"]:
+            break
+    env.close()
+    assert info["outcome"] == "dropped" and info["lost_grip"] == "slipped"
+
+
+def test_drops_say_how_the_grasp_was_lost() -> None:
+    from diffpolicy.evaluation import EvalResult
+
+    res = EvalResult(
+        success_rate=0.25, mean_return=0.0, episodes=4, env_steps=0, successes=[True, False, False, False],
+        outcomes=["success", "dropped", "dropped", "missed_tray"], lost_grip=["", "slipped", "released", "released"],
+    )  # fmt: skip
+    assert res.drops() == {"dropped/released": 1, "dropped/slipped": 1, "missed_tray/released": 1}
+    assert EvalResult(0.0, 0.0, 1, 0, [False], ["dropped"]).drops() == {"dropped/unknown": 1}
 
 
 def test_failure_counts_and_exploration_noise() -> None:

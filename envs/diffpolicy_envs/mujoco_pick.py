@@ -91,7 +91,9 @@ called if it ended now, ``outcome`` (one of :data:`OUTCOMES`):
 | ``timed_out`` | the time ran out first: the gripper never closed, the cube is still held, or it lies in the tray unreleased or still moving |
 
 ``grasp_miss`` (m) is the least distance between the tool point and the target cube's centre over the steps
-on which the gripper was commanded closed before the first grasp (NaN until it closes). Episodes truncate after 120
+on which the gripper was commanded closed before the first grasp (NaN until it closes). ``lost_grip`` says how
+the last grasp on the target was lost: ``released`` (the jaws were commanded open on that step: the policy
+let go), ``slipped`` (they were still commanded closed: the cube slid out), '' while it was never lost. Episodes truncate after 120
 steps (``max_episode_steps`` of the registration); the scripted expert needs 45-85 (mean about 63).
 """
 
@@ -479,6 +481,7 @@ class MujocoPickEnv(gym.Env):
             "obs_age": 0,
             "outcome": "timed_out",
             "grasp_miss": float("nan"),
+            "lost_grip": "",
         }
         return self._get_obs(), info
 
@@ -546,6 +549,7 @@ class MujocoPickEnv(gym.Env):
             "obs_age": self._obs_age,
             "outcome": outcome,
             "grasp_miss": self._grasp_miss,
+            "lost_grip": self._lost_grip,
         }
         return self._get_obs(), reward, success, False, info
 
@@ -663,6 +667,7 @@ class MujocoPickEnv(gym.Env):
         self._grasp_miss = float("nan")
         self._lost_near_tray = False
         self._was_grasped = False
+        self._lost_grip = ""
 
     def _track_outcome(
         self, closing: bool, grasped: bool, success: bool, ee: np.ndarray, cube: np.ndarray
@@ -677,6 +682,7 @@ class MujocoPickEnv(gym.Env):
         elif self._was_grasped:  # the grasp was lost on this step: where?
             rel = ee[:2] - self.tray_pos[:2]
             self._lost_near_tray = bool(np.all(np.abs(rel) < TRAY_INNER_HALF + NEAR_TRAY))
+            self._lost_grip = "slipped" if closing else "released"
         self._was_grasped = grasped
         if success:
             return "success"
