@@ -39,6 +39,62 @@ def test_defaults_are_derived_from_what_they_depend_on(compose) -> None:
     assert compose("train", ["policy.down_dims=[6,12]", "policy.horizon=4"]).policy.n_groups == 6
 
 
+STATE_RECIPE = ["policy.encoder.use_state=true", "bc.epochs=80", "bc.batch_size=128"]
+MULTIMODAL_RECIPE = ["policy.encoder.use_state=false", "bc.epochs=40", "bc.batch_size=64"]
+"""The BC recipes of ``C.OBS_MODE_DEFAULTS`` as explicit overrides (docs/experiments.md: state 0.89-0.90,
+multimodal 0.71 held-out)."""
+
+
+def _key(cfg: Any) -> str:
+    from diffpolicy.bc import bc_key
+
+    return bc_key(cfg.env, cfg.policy, cfg.bc, cfg.seed)
+
+
+@pytest.mark.parametrize("name", ["train", "pretrain"])
+@pytest.mark.parametrize("overrides", [[], ["bc.n_demos=40"], ["env=obstacle_reach"], ["policy=unet_large"]])
+def test_state_defaults_keep_the_bc_cache_key(name: str, overrides: list, compose) -> None:
+    """The derived state values are today's explicit ones, so cached BC checkpoints (keyed by them) stay valid."""
+    derived = compose(name, overrides)
+    assert (derived.policy.encoder.use_state, derived.bc.epochs, derived.bc.batch_size) == (True, 80, 128)
+    assert _key(derived) == _key(compose(name, [*overrides, *STATE_RECIPE]))
+
+
+@pytest.mark.parametrize("name", ["train", "pretrain"])
+def test_multimodal_alone_gives_its_measured_recipe_and_set_values_win(name: str, compose) -> None:
+    mm = ["env.obs_mode=multimodal"]
+    cfg = compose(name, mm)
+    assert (cfg.policy.encoder.use_state, cfg.bc.epochs, cfg.bc.batch_size) == (False, 40, 64)
+    assert _key(cfg) == _key(compose(name, [*mm, *MULTIMODAL_RECIPE]))
+    for override, expected in [
+        ("bc.epochs=80", (False, 80, 64)),
+        ("bc.batch_size=128", (False, 40, 128)),
+        ("policy.encoder.use_state=true", (True, 40, 64)),
+    ]:
+        cfg = compose(name, [*mm, override])
+        assert (cfg.policy.encoder.use_state, cfg.bc.epochs, cfg.bc.batch_size) == expected, override
+    state = compose(name, ["policy.encoder.use_state=false", "bc.epochs=7"])  # state mode, set values
+    assert (state.policy.encoder.use_state, state.bc.epochs, state.bc.batch_size) == (False, 7, 128)
+
+
+def test_a_yaml_value_wins_over_the_obs_mode_default(compose) -> None:
+    """conf/experiment/quick.yaml sets 100 epochs of batch 64: both stay, use_state is derived."""
+    cfg = compose("train", ["+experiment=quick", "env.obs_mode=multimodal"])
+    assert (cfg.policy.encoder.use_state, cfg.bc.epochs, cfg.bc.batch_size) == (False, 100, 64)
+
+
+def test_python_configs_derive_the_same_way() -> None:
+    """Built without an environment a component takes the state values; a config that holds one derives the
+    values still unset from its ``env.obs_mode``, and keeps those that were set."""
+    assert (C.EncoderConfig().use_state, C.BCConfig().epochs, C.BCConfig().batch_size) == (True, 80, 128)
+    for cls in (C.TrainConfig, C.PretrainConfig):
+        mm = cls(env=C.EnvConfig(obs_mode="multimodal"), bc=C.BCConfig(epochs=3))
+        assert (mm.policy.encoder.use_state, mm.bc.epochs, mm.bc.batch_size) == (False, 3, 64)
+        state = cls(env=C.EnvConfig(obs_mode="state"), policy=C.PolicyConfig())
+        assert (state.policy.encoder.use_state, state.bc.epochs, state.bc.batch_size) == (True, 80, 128)
+    assert C.PretrainConfig(env=C.EnvConfig(obs_mode="multimodal"), demos="d.hdf5").bc.epochs == 40
+
+
 def test_a_fraction_of_the_chain_follows_ddim_steps(compose) -> None:
     """``ft_fraction`` (DPPO's half chain: 0.5) gives K' = round(f K), at least 1; a set ft_steps wins."""
     half = ["algo=ppo", "policy.ft_steps=null", "policy.ft_fraction=0.5"]

@@ -54,8 +54,9 @@ def _timed(fn: Callable[[], torch.Tensor], params: list[torch.nn.Parameter]) -> 
 def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     """Samples/s of every modality's encoder, the whole encoder and the U-Net, forward + backward.
 
-    kwargs: ``batch`` (128, ``bc.batch_size``), ``warmup`` (2), ``text_backend`` (``minilm``; ``hash``
-    skips loading MiniLM), and any EncoderConfig field (e.g. ``rgb_channels=[16,32,64]``).
+    kwargs: ``batch`` (128, the state task's ``bc.batch_size``; multimodal BC uses 64), ``warmup`` (2),
+    ``text_backend`` (``minilm``; ``hash`` skips loading MiniLM), and any EncoderConfig field (e.g.
+    ``rgb_channels=[16,32,64]``).
     """
     batch = int(kwargs.pop("batch", 128))
     warmup = int(kwargs.pop("warmup", 2))
