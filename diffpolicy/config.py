@@ -48,12 +48,13 @@ key, and given their defaults when a checkpoint written before they existed lack
 
 
 OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "state": {"policy.encoder.use_state": True, "bc.epochs": 80, "bc.batch_size": 128},
-    "multimodal": {"policy.encoder.use_state": False, "bc.epochs": 40, "bc.batch_size": 64},
+    "state": {"policy.encoder.use_state": True, "bc.epochs": 80, "bc.batch_size": 128, "bc.n_demos": 40},
+    "multimodal": {"policy.encoder.use_state": False, "bc.epochs": 40, "bc.batch_size": 64, "bc.n_demos": 100},
 }
 """``env.obs_mode`` -> the values its null fields are derived to, the best BC recipe measured on mujoco_pick
 (docs/experiments.md). state: 80 epochs of batch 128 with the state token (2026-11-30, the imprecise
-demonstrator: 0.89-0.90 held-out against 0.73 at 40 epochs). multimodal: no proprioception token, 40 epochs of batch 64 (2026-12-01, run D:
+demonstrator: 0.89-0.90 held-out against 0.73 at 40 epochs); 40 precise demonstrations, the default task,
+whose BC (0.795) algo=filtered_bc lifts to 0.95 (2026-12-01, the pick task's figure). multimodal: no proprioception token, 40 epochs of batch 64 (2026-12-01, run D:
 0.71 held-out over 200 seeds, 4360 steps, 22 min on 2 cores; 0.025 with the state token). A component built
 without an environment (``EncoderConfig()``, ``BCConfig()`` in Python) takes the state values."""
 
@@ -322,9 +323,10 @@ class BCConfig:
     (1.0 slowed behaviour cloning down several-fold)."""
     ema_decay: float = 0.995
     """EMA decay of the weights; the EMA copy is what is saved and evaluated."""
-    n_demos: int = 100
+    n_demos: int | None = None
     """Demonstration episodes collected from the scripted expert (with ``bc.demos``: every episode of the
-    dataset is used instead)."""
+    dataset is used instead). Null: derived from ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`): 40 for state
+    (BC 0.795 on mujoco_pick, fine-tuned to 0.95), 100 for multimodal (the measured 0.71 recipe)."""
     demos: str = ""
     """Clone these demonstrations instead of the scripted expert's: a robomimic-style HDF5 file
     (``data/demo_N/{obs/<key>, actions, rewards, dones}``), a local Minari dataset (``minari:ID``, or its
@@ -559,11 +561,12 @@ class FilteredBCConfig(LearnerConfig):
     """Episodes rolled out per round (iteration), on fresh training scenes."""
     bc_steps: int = 400
     """BC optimiser steps per round on the demonstrations + kept successes (batch ``bc.batch_size``)."""
-    explore: str = "chain"
-    """How rollouts sample: chain (the stochastic chain: reaches 40 % of the scenes the deterministic policy
-    fails, docs/experiments.md) | chunk (the deterministic chain plus Gaussian action noise of std
-    ``explore_std`` drawn once per decision and held over its executed steps: reaches 55 %) | deterministic
-    (every DDIM step's mean, as evaluated: collects only scenes the policy already solves)."""
+    explore: str = "chunk"
+    """How rollouts sample: chunk (the deterministic chain plus Gaussian action noise of std ``explore_std``
+    drawn once per decision and held over its executed steps: reaches 55 % of the scenes the deterministic
+    20-demonstration BC fails, and lifted the 40-demonstration BC 0.795 -> 0.95 in 5 rounds, docs/experiments.md)
+    | chain (the stochastic chain: reaches 40 %; 0.465 -> 0.585 in 12 rounds from 20 demonstrations) |
+    deterministic (every DDIM step's mean, as evaluated: collects only scenes the policy already solves)."""
     explore_std: float = 0.05
     """``explore=chunk``: std of the held action noise, env units (actions are clipped to [-1, 1])."""
 
@@ -998,7 +1001,7 @@ POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "ft_steps")
 DERIVED: dict[type, tuple[str, ...]] = {
     PolicyConfig: POLICY_DERIVED,
     EncoderConfig: ("use_state",),
-    BCConfig: ("epochs", "batch_size"),
+    BCConfig: ("epochs", "batch_size", "n_demos"),
 }
 """Fields whose null default is derived when the config is built: from the component's own fields, or from
 ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`, :func:`derive_from_obs_mode`)."""

@@ -45,7 +45,7 @@ def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, co
     assert (cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == ("unet_small", "residual", 3)
     cfg = compose(name)
     assert (cfg.env.name, cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == (
-        "mujoco_pick", "unet_small", "filtered_bc", 20,
+        "mujoco_pick", "unet_small", "filtered_bc", 40,
     )  # fmt: skip
 
 

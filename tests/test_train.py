@@ -273,8 +273,8 @@ def test_tiny_policy_config_is_valid() -> None:
 def test_default_run_is_the_cpu_mission() -> None:
     """What ``python -m diffpolicy.train env=mujoco_pick`` composes to (the README's mission settings)."""
     cfg = compose("train", ["env=mujoco_pick"])
-    assert cfg.env.obs_mode == "state" and cfg.env.expert == {"max_speed": None} and cfg.bc.n_demos == 20
-    assert cfg.algo.head == "filtered_bc" and cfg.algo.explore == "chain"
+    assert cfg.env.obs_mode == "state" and cfg.env.expert == {"max_speed": None} and cfg.bc.n_demos == 40
+    assert cfg.algo.head == "filtered_bc" and cfg.algo.explore == "chunk"
     assert cfg.algo.iterations * cfg.algo.round_episodes * cfg.env.max_episode_steps <= 1_000_000  # env steps
     assert cfg.policy.horizon == 16 and cfg.eval_episodes >= 200
     pre = compose("pretrain", ["env=mujoco_pick"])  # pretrain clones, and judges, the same BC
