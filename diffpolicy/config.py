@@ -49,7 +49,12 @@ key, and given their defaults when a checkpoint written before they existed lack
 
 OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "state": {"policy.encoder.use_state": True, "bc.epochs": 80, "bc.batch_size": 128, "bc.n_demos": 40},
-    "multimodal": {"policy.encoder.use_state": False, "bc.epochs": 40, "bc.batch_size": 64, "bc.n_demos": 100},
+    "multimodal": {
+        "policy.encoder.use_state": False,
+        "bc.epochs": 40,
+        "bc.batch_size": 64,
+        "bc.n_demos": 100,
+    },
 }
 """``env.obs_mode`` -> the values its null fields are derived to, the best BC recipe measured on mujoco_pick
 (docs/experiments.md). state: 80 epochs of batch 128 with the state token (2026-11-30, the imprecise
