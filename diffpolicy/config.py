@@ -559,7 +559,7 @@ class FilteredBCConfig(LearnerConfig):
 
     name: str = "filtered_bc"
     head: str = "filtered_bc"
-    iterations: int = 12
+    iterations: int = 10
     lr: float = 3e-4
     max_grad_norm: float = 10.0
     round_episodes: int = 192
