@@ -58,10 +58,11 @@ OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 """``env.obs_mode`` -> the values its null fields are derived to, the best BC recipe measured on mujoco_pick
 (docs/experiments.md). state: 80 epochs of batch 128 with the state token (2026-11-30, the imprecise
-demonstrator: 0.89-0.90 held-out against 0.73 at 40 epochs); 40 precise demonstrations, the default task,
-whose BC (0.795) algo=filtered_bc lifts to 0.95 (2026-12-01, the pick task's figure). multimodal: no proprioception token, 40 epochs of batch 64 (2026-12-01, run D:
-0.71 held-out over 200 seeds, 4360 steps, 22 min on 2 cores; 0.025 with the state token). A component built
-without an environment (``EncoderConfig()``, ``BCConfig()`` in Python) takes the state values."""
+demonstrator: 0.89-0.90 held-out against 0.73 at 40 epochs) on 40 precise demonstrations, the default task,
+whose BC (0.795) algo=filtered_bc lifts to 0.98 (2026-12-01, the pick task's figure). multimodal: 100
+demonstrations, no proprioception token, 40 epochs of batch 64 (2026-12-01, run D: 0.71 held-out over 200
+seeds, 4360 steps, 22 min on 2 cores; 0.025 with the state token). A component built without an environment
+(``EncoderConfig()``, ``BCConfig()`` in Python) takes the state values."""
 
 
 def _derive_state_defaults(cfg: Any, prefix: str) -> None:
@@ -569,7 +570,7 @@ class FilteredBCConfig(LearnerConfig):
     explore: str = "chunk"
     """How rollouts sample: chunk (the deterministic chain plus Gaussian action noise of std ``explore_std``
     drawn once per decision and held over its executed steps: reaches 55 % of the scenes the deterministic
-    20-demonstration BC fails, and lifted the 40-demonstration BC 0.795 -> 0.95 in 5 rounds, docs/experiments.md)
+    20-demonstration BC fails, and lifted the 40-demonstration BC 0.795 -> 0.98 in 10 rounds, docs/experiments.md)
     | chain (the stochastic chain: reaches 40 %; 0.465 -> 0.585 in 12 rounds from 20 demonstrations) |
     deterministic (every DDIM step's mean, as evaluated: collects only scenes the policy already solves)."""
     explore_std: float = 0.05

@@ -8,7 +8,8 @@ and :func:`write_video` writes them as mp4 (or PNG frames).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,23 +60,24 @@ class EvalResult:
     def drops(self) -> dict[str, int]:
         """The dropped and missed-tray episodes by how the grasp was lost: released (the policy opened the
         jaws) or slipped (the cube slid out of closed jaws); unknown where the env reports neither."""
-        counts: dict[str, int] = {}
-        for i, outcome in enumerate(self.outcomes):
-            if outcome in ("dropped", "missed_tray"):
-                how = (self.lost_grip[i] if i < len(self.lost_grip) else "") or "unknown"
-                key = f"{outcome}/{how}"
-                counts[key] = counts.get(key, 0) + 1
-        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        how = self.lost_grip + [""] * (len(self.outcomes) - len(self.lost_grip))
+        return _ranked(
+            f"{o}/{h or 'unknown'}" for o, h in zip(self.outcomes, how) if o in ("dropped", "missed_tray")
+        )
 
 
 def failure_counts(successes: list[bool], outcomes: list[str]) -> dict[str, int]:
     """Reason -> count over the failed episodes (reason ``failed`` where none was recorded)."""
-    counts: dict[str, int] = {}
-    for i, ok in enumerate(successes):
-        if not ok:
-            reason = outcomes[i] if i < len(outcomes) and outcomes[i] != "success" else FAILED
-            counts[reason] = counts.get(reason, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return _ranked(
+        outcomes[i] if i < len(outcomes) and outcomes[i] != "success" else FAILED
+        for i, ok in enumerate(successes)
+        if not ok
+    )
+
+
+def _ranked(keys: Iterable[str]) -> dict[str, int]:
+    """Key -> count, most frequent first (ties by name)."""
+    return dict(sorted(Counter(keys).items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
