@@ -97,14 +97,16 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "step": ckpt.step,
     }
     if cfg.reachability_tries > 0:
-        failed = [cfg.eval_seed + i for i, ok in enumerate(result.successes) if not ok]
+        failed_at = [i for i, ok in enumerate(result.successes) if not ok]
+        failed = [cfg.eval_seed + i for i in failed_at]
+        reasons = [result.outcomes[i] if i < len(result.outcomes) else "failed" for i in failed_at]
         explore = cfg.explore_std > 0
         summary["reachability"] = evaluation.reachability(
             policy, env_cfg, failed, tries=cfg.reachability_tries, n_action_steps=policy.n_action_steps,
             num_envs=min(cfg.num_envs, max(1, len(failed) * cfg.reachability_tries)), device=runtime.device,
             deterministic=explore, seed=cfg.eval_seed + 1,
             exploration=evaluation.Exploration(cfg.explore_std, cfg.explore_hold) if explore else None,
-            autocast=runtime.autocast,
+            autocast=runtime.autocast, reasons=reasons,
         )  # fmt: skip
     if cfg.video_episodes > 0:
         video = run_dir / "eval.mp4"

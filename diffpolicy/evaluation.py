@@ -284,14 +284,19 @@ def reachability(
     exploration: Exploration | None = None,
     seed: int = 0,
     autocast: Callable[[], Any] | None = None,
+    reasons: list[str] | None = None,
 ) -> dict[str, Any]:
     """Of the scenes ``failed_seeds`` (ones a base policy fails), the fraction in which at least one of
     ``tries`` exploratory episodes succeeds: what a learner exploring that way can ever find to reinforce.
 
     Exploration is the stochastic chain (``deterministic=False``), action noise on the deterministic chain
     (``exploration``), or both. Returns ``{"scenes", "tries", "reachable", "reachable_seeds",
-    "success_rate"}`` (success_rate: over all scenes x tries; ``reachable``: the fraction of scenes).
+    "success_rate"}`` (success_rate: over all scenes x tries; ``reachable``: the fraction of scenes), and with
+    ``reasons`` (the base's failure reason per failed seed, same order) ``by_reason``: reason ->
+    ``[scenes reached, scenes]``, most frequent reason first — which failures this exploration reaches.
     """
+    if reasons is not None and len(reasons) != len(failed_seeds):
+        raise ValueError(f"reachability: {len(reasons)} reasons for {len(failed_seeds)} failed seeds")
     if not failed_seeds:
         return {
             "scenes": 0,
@@ -307,13 +312,19 @@ def reachability(
     )  # fmt: skip
     hits = np.asarray(res.successes, dtype=bool).reshape(len(failed_seeds), tries)
     reached = [s for s, h in zip(failed_seeds, hits.any(1)) if h]
-    return {
+    out: dict[str, Any] = {
         "scenes": len(failed_seeds),
         "tries": tries,
         "reachable": round(len(reached) / len(failed_seeds), 4),
         "reachable_seeds": reached,
         "success_rate": round(float(hits.mean()), 4),
     }
+    if reasons is not None:
+        out["by_reason"] = {
+            r: [int(sum(h for h, q in zip(hits.any(1), reasons) if q == r)), n]
+            for r, n in _ranked(reasons).items()
+        }
+    return out
 
 
 DETERMINISTIC_HEADS = ("residual", "filtered_bc")

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -32,18 +34,31 @@ hopper-medium averages ~1420, its expert ~3230); ``tests/test_hopper.py`` holds 
 
 
 def export_actor(model, path: str, meta: dict) -> None:
-    """SB3 SAC actor -> ``.npz``: hidden layers ``w{i}`` (out, in) / ``b{i}``, ``mu_w``/``mu_b``,
-    ``log_std_w``/``log_std_b`` (the Gaussian before the tanh), and ``meta`` (a JSON string)."""
-    actor = model.policy.actor
+    """SB3 actor -> ``.npz`` in :class:`diffpolicy_envs.experts.MLPExpert`'s format: hidden layers ``w{i}``
+    (out, in) / ``b{i}``, the Gaussian's mean ``mu_w``/``mu_b`` and its log-std, and ``meta`` (a JSON string).
+
+    SAC: ReLU layers, a state-dependent log-std ``log_std_w``/``log_std_b`` (before the tanh squash).
+    PPO: tanh layers, a state-independent ``log_std`` (Da,), actions clipped to the box; ``meta`` says so
+    (``activation``: tanh, ``squash``: clip)."""
     arrays: dict[str, np.ndarray] = {}
-    linears = [m for m in actor.latent_pi if isinstance(m, torch.nn.Linear)]
-    for i, layer in enumerate(linears):
-        arrays[f"w{i}"] = layer.weight.detach().cpu().numpy().astype(np.float32)
-        arrays[f"b{i}"] = layer.bias.detach().cpu().numpy().astype(np.float32)
-    for name in ("mu", "log_std"):
-        layer = getattr(actor, name)
-        arrays[f"{name}_w"] = layer.weight.detach().cpu().numpy().astype(np.float32)
-        arrays[f"{name}_b"] = layer.bias.detach().cpu().numpy().astype(np.float32)
+
+    def put(name: str, t: torch.Tensor) -> None:
+        arrays[name] = t.detach().cpu().numpy().astype(np.float32)
+
+    if hasattr(model.policy, "actor"):  # SAC
+        actor = model.policy.actor
+        hidden, mu = actor.latent_pi, actor.mu
+        put("log_std_w", actor.log_std.weight)
+        put("log_std_b", actor.log_std.bias)
+    else:  # PPO: ActorCriticPolicy
+        hidden, mu = model.policy.mlp_extractor.policy_net, model.policy.action_net
+        put("log_std", model.policy.log_std)
+        meta = {**meta, "activation": "tanh", "squash": "clip"}
+    for i, layer in enumerate(m for m in hidden if isinstance(m, torch.nn.Linear)):
+        put(f"w{i}", layer.weight)
+        put(f"b{i}", layer.bias)
+    put("mu_w", mu.weight)
+    put("mu_b", mu.bias)
     arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
     np.savez_compressed(path, **arrays)
 
@@ -52,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="envs/diffpolicy_envs/assets/hopper_medium.npz")
     parser.add_argument("--env-id", default="Hopper-v5")
+    parser.add_argument("--algo", choices=("ppo", "sac"), default="ppo", help="stable-baselines3 learner")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop-return", type=float, default=1000.0, help="mean sampled return to stop at")
     parser.add_argument("--max-steps", type=int, default=300_000)
@@ -63,7 +79,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from stable_baselines3 import SAC
+    from stable_baselines3 import PPO, SAC
     from stable_baselines3.common.callbacks import BaseCallback
 
     from diffpolicy_envs.experts import MLPExpert, run_episode
@@ -72,8 +88,13 @@ def main() -> None:
     t0 = time.perf_counter()
     env = gym.make(args.env_id)
     eval_env = gym.make(args.env_id)
-    model = SAC("MlpPolicy", env, seed=args.seed, learning_starts=10_000, verbose=0, device="cpu")
-    tmp = args.out + ".tmp.npz"
+    if args.algo == "sac":
+        model = SAC("MlpPolicy", env, seed=args.seed, learning_starts=10_000, verbose=0, device="cpu")
+        recipe = "stable-baselines3 SAC (defaults, learning_starts 10000)"
+    else:
+        model = PPO("MlpPolicy", env, seed=args.seed, verbose=0, device="cpu")
+        recipe = "stable-baselines3 PPO (defaults: 64x64 tanh, n_steps 2048, 10 epochs, batch 64)"
+    tmp = str(Path(tempfile.mkdtemp()) / "actor.npz")  # the evaluated export, outside the repository
 
     class StopAtMedium(BaseCallback):
         def __init__(self) -> None:
@@ -99,7 +120,7 @@ def main() -> None:
     callback = StopAtMedium()
     model.learn(total_timesteps=args.max_steps, callback=callback)
     meta = {
-        "algo": "stable-baselines3 SAC (defaults, learning_starts 10000)",
+        "algo": recipe,
         "env_id": args.env_id,
         "seed": args.seed,
         "train_steps": int(model.num_timesteps),

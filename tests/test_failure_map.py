@@ -6,7 +6,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from diffpolicy.evaluation import Exploration, failure_counts
+from diffpolicy.evaluation import EvalResult, Exploration, failure_counts
 from diffpolicy_envs.experts import make_expert
 from diffpolicy_envs.mujoco_pick import OUTCOMES
 
@@ -111,8 +111,6 @@ def test_dropped_when_the_grasp_is_lost_away_from_the_tray() -> None:
 
 
 def test_drops_say_how_the_grasp_was_lost() -> None:
-    from diffpolicy.evaluation import EvalResult
-
     res = EvalResult(
         success_rate=0.25, mean_return=0.0, episodes=4, env_steps=0, successes=[True, False, False, False],
         outcomes=["success", "dropped", "dropped", "missed_tray"], lost_grip=["", "slipped", "released", "released"],
@@ -134,3 +132,29 @@ def test_failure_counts_and_exploration_noise() -> None:
     assert np.abs(Exploration(5.0, "step").apply(acts, rng)).max() <= 1.0
     with pytest.raises(ValueError, match="hold"):
         Exploration(0.1, "episode")
+
+
+def test_reachability_counts_scenes_reached_per_reason(monkeypatch) -> None:
+    """Each failed scene gets ``tries`` episodes; a scene is reached when any succeeds, counted per reason."""
+    from diffpolicy import evaluation
+
+    outcome = {5: [False, True], 6: [False, False], 7: [True, True]}
+    seen: dict = {}
+
+    def fake_evaluate(policy, cfg, *, seeds, **kwargs):
+        seen["seeds"] = list(seeds)
+        ok = [outcome[s][seeds[: i + 1].count(s) - 1] for i, s in enumerate(seeds)]
+        return EvalResult(float(np.mean(ok)), 0.0, len(ok), 0, ok)
+
+    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
+    kw = dict(tries=2, n_action_steps=8, num_envs=2, device=None, deterministic=True)
+    out = evaluation.reachability(
+        None, None, [5, 6, 7], reasons=["dropped", "never_grasped", "dropped"], **kw
+    )
+    assert seen["seeds"] == [5, 5, 6, 6, 7, 7]
+    assert out["reachable"] == round(2 / 3, 4) and out["reachable_seeds"] == [5, 7]
+    assert out["success_rate"] == 0.5
+    assert out["by_reason"] == {"dropped": [2, 2], "never_grasped": [0, 1]}
+    assert "by_reason" not in evaluation.reachability(None, None, [6], **kw)
+    with pytest.raises(ValueError, match="reasons"):
+        evaluation.reachability(None, None, [5, 6], reasons=["dropped"], **kw)

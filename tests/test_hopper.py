@@ -44,6 +44,27 @@ def test_numpy_actor_matches_torch() -> None:
     np.testing.assert_allclose(expert.policy(obs), torch.tanh(mu).numpy(), atol=1e-6)
 
 
+def test_numpy_ppo_actor_matches_torch() -> None:
+    """PPO's actor form (tanh layers, state-independent log-std, actions clipped to the box) against torch,
+    for the mean action and for a sampled one with the same noise."""
+    rng = np.random.default_rng(1)
+    weights = {"w0": rng.normal(size=(8, 5)), "b0": rng.normal(size=8), "w1": rng.normal(size=(8, 8)),
+               "b1": rng.normal(size=8), "mu_w": rng.normal(size=(3, 8)), "mu_b": rng.normal(size=3),
+               "log_std": np.array([-1.0, 0.0, 0.5]),
+               "meta": np.array(json.dumps({"activation": "tanh", "squash": "clip"}))}  # fmt: skip
+    obs = rng.normal(size=(6, 5))
+    h = torch.as_tensor(obs)
+    for i in range(2):
+        h = torch.tanh(h @ torch.as_tensor(weights[f"w{i}"]).T + torch.as_tensor(weights[f"b{i}"]))
+    mu = h @ torch.as_tensor(weights["mu_w"]).T + torch.as_tensor(weights["mu_b"])
+    np.testing.assert_allclose(MLPExpert(weights, stochastic=False).policy(obs), mu.clamp(-1, 1), atol=1e-6)
+    z = np.random.default_rng(7).standard_normal((6, 3))
+    sampled = mu + torch.exp(torch.as_tensor(weights["log_std"])) * torch.as_tensor(z)
+    np.testing.assert_allclose(MLPExpert(weights, seed=7).policy(obs), sampled.clamp(-1, 1), atol=1e-6)
+    with pytest.raises(ValueError, match="activation"):
+        MLPExpert({**weights, "meta": np.array(json.dumps({"activation": "gelu"}))})
+
+
 def test_hopper_demos_keep_every_episode(tmp_path: Path) -> None:
     """Hopper reports no success: every episode is stored (success unknown) with its rewards."""
     from diffpolicy.config import EnvConfig

@@ -238,16 +238,23 @@ class ReachExpert:
 
 
 class MLPExpert:
-    """A trained tanh-Gaussian MLP actor (SAC's) run in numpy: the demonstrator of plain gymnasium tasks.
+    """A trained Gaussian MLP actor (stable-baselines3's SAC or PPO) run in numpy: the demonstrator of plain
+    gymnasium tasks.
 
     The weights file (``.npz``, written by ``scripts/hopper_medium_policy.py``) holds hidden layers
-    ``w{i}`` (out, in) and ``b{i}`` (ReLU after each), the Gaussian's ``mu_w``/``mu_b`` and
-    ``log_std_w``/``log_std_b`` (log-std clipped to [-20, 2], as stable-baselines3 does) and a JSON ``meta``
-    string. The action is ``tanh(mu + std * z)`` with z ~ N(0, I) from the expert's own generator
-    (``stochastic``, how D4RL's medium data was sampled) or ``tanh(mu)``; it lies in [-1, 1], which is the
-    adapter's action (:class:`diffpolicy_envs.adapters.BoxEnvAdapter`) and SAC's own squashed action alike.
-    The observation is read from the unwrapped env (``_get_obs()``), like the scripted experts' privileged
-    state.
+    ``w{i}`` (out, in) and ``b{i}``, the Gaussian's mean ``mu_w``/``mu_b``, its log-std and a JSON ``meta``
+    string. Two actor forms, told apart by the arrays and ``meta``:
+
+    - SAC's (the default): ReLU hidden layers, a state-dependent log-std ``log_std_w``/``log_std_b`` clipped to
+      [-20, 2] (as stable-baselines3 does), action ``tanh(mu + std * z)``;
+    - PPO's (``meta["activation"] == "tanh"``, ``meta["squash"] == "clip"``): tanh hidden layers, a
+      state-independent log-std vector ``log_std`` (Da,), action ``clip(mu + std * z, -1, 1)`` (what
+      stable-baselines3 sends to a Box env whose bounds are [-1, 1]).
+
+    z ~ N(0, I) comes from the expert's own generator (``stochastic``, how D4RL's medium data was sampled);
+    without it the action is the squashed mean. The action lies in [-1, 1], which is the adapter's action
+    (:class:`diffpolicy_envs.adapters.BoxEnvAdapter`). The observation is read from the unwrapped env
+    (``_get_obs()``), like the scripted experts' privileged state.
 
     Args:
         weights: dict of the arrays above.
@@ -255,22 +262,38 @@ class MLPExpert:
         stochastic: sample from the Gaussian (default) rather than take its mean.
     """
 
+    ACTIVATIONS = ("relu", "tanh")
+    SQUASHES = ("tanh", "clip")
+
     def __init__(self, weights: dict[str, np.ndarray], seed: int | None = None, stochastic: bool = True):
         n_hidden = sum(1 for k in weights if k.startswith("w") and k[1:].isdigit())
-        if n_hidden == 0 or "mu_w" not in weights or "log_std_w" not in weights:
-            raise ValueError("MLPExpert weights need w0/b0.., mu_w/mu_b and log_std_w/log_std_b arrays")
-        self.layers = [(np.asarray(weights[f"w{i}"], np.float64), np.asarray(weights[f"b{i}"], np.float64))
-                       for i in range(n_hidden)]  # fmt: skip
-        self.mu = (np.asarray(weights["mu_w"], np.float64), np.asarray(weights["mu_b"], np.float64))
-        self.log_std = (
-            np.asarray(weights["log_std_w"], np.float64),
-            np.asarray(weights["log_std_b"], np.float64),
-        )
+        has_std = "log_std_w" in weights or "log_std" in weights
+        if n_hidden == 0 or "mu_w" not in weights or not has_std:
+            raise ValueError(
+                "MLPExpert weights need w0/b0.., mu_w/mu_b and log_std_w/log_std_b (or log_std) arrays"
+            )
         self.meta: dict[str, Any] = {}
         if "meta" in weights and str(weights["meta"]):
             import json
 
             self.meta = json.loads(str(weights["meta"]))
+        self.activation = self.meta.get("activation", "relu")
+        self.squash = self.meta.get("squash", "tanh")
+        if self.activation not in self.ACTIVATIONS or self.squash not in self.SQUASHES:
+            raise ValueError(
+                f"MLPExpert meta: activation {self.activation!r} not in {self.ACTIVATIONS} or squash "
+                f"{self.squash!r} not in {self.SQUASHES}"
+            )
+        self.layers = [(np.asarray(weights[f"w{i}"], np.float64), np.asarray(weights[f"b{i}"], np.float64))
+                       for i in range(n_hidden)]  # fmt: skip
+        self.mu = (np.asarray(weights["mu_w"], np.float64), np.asarray(weights["mu_b"], np.float64))
+        if "log_std_w" in weights:
+            self.log_std: tuple[np.ndarray, np.ndarray] | np.ndarray = (
+                np.asarray(weights["log_std_w"], np.float64),
+                np.asarray(weights["log_std_b"], np.float64),
+            )
+        else:
+            self.log_std = np.asarray(weights["log_std"], np.float64)
         self.stochastic = bool(stochastic)
         self.rng = np.random.default_rng(seed)
 
@@ -287,12 +310,17 @@ class MLPExpert:
         """Observations (Do,) or (B, Do) -> actions (Da,) or (B, Da) float32 in [-1, 1]."""
         h = np.asarray(obs, np.float64)
         for w, b in self.layers:
-            h = np.maximum(h @ w.T + b, 0.0)
+            h = h @ w.T + b
+            h = np.maximum(h, 0.0) if self.activation == "relu" else np.tanh(h)
         mu = h @ self.mu[0].T + self.mu[1]
         if self.stochastic:
-            std = np.exp(np.clip(h @ self.log_std[0].T + self.log_std[1], -20.0, 2.0))
+            if isinstance(self.log_std, tuple):
+                std = np.exp(np.clip(h @ self.log_std[0].T + self.log_std[1], -20.0, 2.0))
+            else:
+                std = np.exp(self.log_std)
             mu = mu + std * self.rng.standard_normal(mu.shape)
-        return np.tanh(mu).astype(np.float32)
+        out = np.tanh(mu) if self.squash == "tanh" else np.clip(mu, -1.0, 1.0)
+        return out.astype(np.float32)
 
     def act(self, env: gym.Env) -> np.ndarray:
         """Next action (Da,) float32 in [-1, 1] for the unwrapped env's current observation."""
