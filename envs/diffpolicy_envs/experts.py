@@ -327,11 +327,11 @@ class MLPExpert:
         return self.policy(env.unwrapped._get_obs())
 
 
-POLICY_EXPERTS: dict[str, str] = {"HopperEnv": "hopper_sac_55k.npz"}
-"""Unwrapped env class name -> the trained actor (``assets/``) that demonstrates it. Hopper-v5's is a SAC agent
-(``scripts/hopper_medium_policy.py``, seed 0) stopped after 55 000 steps at a sampled return of ~340, below the
-medium quality (about a third of an expert's return) the script stops at by itself: the run was starved of CPU
-(docs/experiments.md, 2026-12-01 Hopper). A medium file from a full run replaces it by name here and in ``conf/env/hopper.yaml``."""
+POLICY_EXPERTS: dict[str, str] = {"HopperEnv": "hopper_medium.npz"}
+"""Unwrapped env class name -> the trained actor (``assets/``) that demonstrates it. Hopper-v5's is a
+stable-baselines3 PPO agent (``scripts/hopper_medium_policy.py``, seed 0) stopped at 153 600 steps, the first
+evaluation whose sampled return reached 1000 (1343 over 10 episodes): medium quality, about a third of an
+expert's return, as D4RL's hopper-medium (its ``meta`` states the band the test holds it to)."""
 
 
 def make_expert(env: gym.Env, seed: int | None = None, **kwargs: Any) -> PickExpert | ReachExpert | MLPExpert:
