@@ -24,7 +24,7 @@ class ActionChunkWrapper(gym.Wrapper):
     """One ``step`` executes a (Te, Da) action chunk; the reward is the sum of the executed steps' rewards.
 
     ``info`` carries the last inner step's info plus ``executed`` (inner steps run, <= Te) and
-    ``is_success`` (true if any inner step succeeded). With ``record=True`` the wrapped env's ``render()``
+    ``is_success`` (true if any inner step succeeded; absent when the env reports none, as Hopper's). With ``record=True`` the wrapped env's ``render()``
     frame is appended to :attr:`frames` after every inner step (for videos).
     """
 
@@ -52,7 +52,7 @@ class ActionChunkWrapper(gym.Wrapper):
             raise ValueError(
                 f"action chunk must have shape {self.action_space.shape} (Te, Da), got {chunk.shape}"
             )
-        total, success = 0.0, False
+        total, success, reported = 0.0, False, False
         terminated = truncated = False
         info: dict[str, Any] = {}
         executed = 0
@@ -61,11 +61,14 @@ class ActionChunkWrapper(gym.Wrapper):
             executed += 1
             total += float(reward)
             success = success or bool(info.get("is_success", False))
+            reported = reported or "is_success" in info
             if self.record:
                 self.frames.append(self.env.render())
             if terminated or truncated:
                 break
-        info = {**info, "executed": executed, "is_success": success}
+        info = {**info, "executed": executed}
+        if reported:
+            info["is_success"] = success
         return obs, total, terminated, truncated, info
 
 

@@ -84,10 +84,11 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         deterministic=cfg.deterministic,
         autocast=runtime.autocast,
     )
+    goal = result.reports_success  # an env without a success notion (Hopper): None, not 0.0
     summary: dict[str, Any] = {
-        "success_rate": result.success_rate,
-        "success_ci": [round(v, 3) for v in result.wilson()],
-        "failures": result.failures(),
+        "success_rate": result.success_rate if goal else None,
+        "success_ci": [round(v, 3) for v in result.wilson()] if goal else None,
+        "failures": result.failures() if goal else None,
         "drops": result.drops(),  # dropped / missed_tray by how the grasp was lost: released | slipped
         "n_episodes": result.episodes,
         "mean_return": result.mean_return,

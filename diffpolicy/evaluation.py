@@ -44,6 +44,9 @@ class EvalResult:
     not, or the env reports none)."""
     returns: list[float] = field(default_factory=list)
     """Each episode's undiscounted return (sum of its rewards)."""
+    reports_success: bool = True
+    """Whether the env reports ``info["is_success"]`` at all; false (Hopper: returns, no goal) makes the
+    success rate and the failure map meaningless, and the summaries give None for them."""
 
     def wilson(self, z: float = 1.96) -> tuple[float, float]:
         """95 % Wilson score interval (z = 1.96) of the success rate, (low, high)."""
@@ -220,6 +223,7 @@ class EpisodeRecord:
         self.grasp_miss: list[float] = []
         self.lost_grip: list[str] = []
         self.env_steps = 0
+        self.reports_success = False
 
     def begin(self, live: np.ndarray) -> None:
         n = self.n
@@ -239,6 +243,9 @@ class EpisodeRecord:
         self.env_steps += int(np.asarray(executed)[active].sum())
         self.ret[active] += np.asarray(reward)[active]
         self.succ[active] |= step_info(info, "is_success", n, False).astype(bool)[active]
+        self.reports_success = (
+            self.reports_success or "is_success" in info or "is_success" in info.get("final_info", {})
+        )
         ended = active & (np.asarray(term) | np.asarray(trunc))
         if ended.any():
             self.outcome[ended] = step_info(info, "outcome", n, FAILED).astype(object)[ended]
@@ -268,6 +275,7 @@ def _result(record: EpisodeRecord) -> EvalResult:
         grasp_miss=record.grasp_miss,
         lost_grip=record.lost_grip,
         returns=record.returns,
+        reports_success=record.reports_success,
     )
 
 

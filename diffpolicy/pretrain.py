@@ -46,10 +46,13 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
         if cfg.eval_episodes > 0:
             result = held_out(policy, cfg, runtime)
             logger.log({"eval/success_rate": result.success_rate}, metrics["steps"])
-            summary["success_rate"] = result.success_rate
-            summary["success_ci"] = [round(v, 3) for v in result.wilson()]
-            summary["failures"] = result.failures()
+            goal = result.reports_success  # an env without a success notion (Hopper): None, not 0.0
+            summary["success_rate"] = result.success_rate if goal else None
+            summary["success_ci"] = [round(v, 3) for v in result.wilson()] if goal else None
+            summary["failures"] = result.failures() if goal else None
             summary["drops"] = result.drops()
+            summary["mean_return"] = round(result.mean_return, 2)
+            summary["return_ci"] = [round(v, 2) for v in result.return_ci()]  # 95 % Student-t interval
             summary["eval_episodes"] = result.episodes
     curve = plot_curve(
         run_dir / "metrics.jsonl", "losses/bc", run_dir / "bc_loss.png", title="behaviour cloning"

@@ -227,11 +227,14 @@ def fine_tune(
         artifacts(cfg, run_dir, head.policy, rt)
         n_bc, bc_returns = len(bc["successes"]), bc.get("returns", [])
         bc_rate = sum(bc["successes"]) / n_bc
+        goal = after.reports_success  # an env without a success notion (Hopper): None, not 0.0
         summary = {
-            "bc_success_rate": bc_rate,
-            "ppo_success_rate": after.success_rate,
-            "bc_ci": [round(v, 3) for v in EvalResult(bc_rate, 0.0, n_bc, 0, bc["successes"]).wilson()],
-            "ppo_ci": [round(v, 3) for v in after.wilson()],
+            "bc_success_rate": bc_rate if goal else None,
+            "ppo_success_rate": after.success_rate if goal else None,
+            "bc_ci": [round(v, 3) for v in EvalResult(bc_rate, 0.0, n_bc, 0, bc["successes"]).wilson()]
+            if goal
+            else None,
+            "ppo_ci": [round(v, 3) for v in after.wilson()] if goal else None,
             # mean episode return with its 95 % Student-t interval (checkpoints before returns: none)
             "bc_return": round(float(np.mean(bc_returns)), 2) if bc_returns else None,
             "ppo_return": round(after.mean_return, 2),
@@ -241,7 +244,9 @@ def fine_tune(
             "failures": {
                 "bc": failure_counts(bc["successes"], bc.get("outcomes", [])),
                 "ppo": after.failures(),
-            },
+            }
+            if goal
+            else None,
             "drops": after.drops(),  # the fine-tuned policy's drops by how the grasp was lost
             "head": algo.head,
             "env_steps": env_steps,
