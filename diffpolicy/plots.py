@@ -63,3 +63,49 @@ def plot_curve(
     fig.savefig(out_png)
     plt.close(fig)
     return out_png
+
+
+def plot_runs(
+    runs: dict[str, str | Path],
+    key: str,
+    out_png: str | Path,
+    *,
+    reference: dict[str, tuple[list[float], list[float]]] | None = None,
+    title: str | None = None,
+) -> Path:
+    """Metric ``key`` against ``step`` for several runs on one axis (one line each), for comparing learners.
+
+    Args:
+        runs: label -> a run's ``metrics.jsonl``.
+        key: namespaced metric name (``rollout/mean_return``).
+        out_png: where to write the figure.
+        reference: label -> (steps, values) drawn as dashed lines with markers (a published curve).
+        title: figure title (default: the key).
+
+    Raises:
+        ValueError: if a run holds no value of ``key``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=100)
+    for label, path in runs.items():
+        records = [r for r in read_metrics(path) if r.get(key) is not None]
+        if not records:
+            raise ValueError(f"{path} has no values of {key!r}")
+        ax.plot([r["step"] for r in records], [r[key] for r in records], lw=1.6, marker=".", label=label)
+    for label, (steps, values) in (reference or {}).items():
+        ax.plot(steps, values, ls="--", lw=1.2, marker="o", ms=3, color="grey", label=label)
+    ax.set_xlabel("env steps")
+    ax.set_ylabel(key)
+    ax.set_title(title or key)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png

@@ -44,3 +44,38 @@ def test_rejects_unnamespaced_metric(tmp_path) -> None:
         pytest.raises(ValueError, match="namespace"),
     ):
         log.log({"success": 1.0}, step=0)
+
+
+def test_plot_runs_draws_every_run_and_the_reference(tmp_path) -> None:
+    """Several runs' curves and a published reference on one axis; a run without the key is an error."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from diffpolicy.plots import plot_runs
+
+    paths = {}
+    for name, slope in (("a", 1.0), ("b", 2.0)):
+        with Logger(tmp_path / name, tensorboard=False, progress=False) as log:
+            for step in range(3):
+                log.log({"rollout/mean_return": slope * step}, step=step * 100)
+        paths[name] = tmp_path / name / "metrics.jsonl"
+    drawn = {}
+    real_savefig = plt.Figure.savefig
+
+    def spy(fig, path, *a, **k):
+        drawn["lines"] = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()}
+        return real_savefig(fig, path, *a, **k)
+
+    plt.Figure.savefig = spy
+    try:
+        out = plot_runs(
+            paths, "rollout/mean_return", tmp_path / "c.png", reference={"paper": ([0, 200], [0, 5])}
+        )
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert out.is_file() and out.stat().st_size > 0
+    assert drawn["lines"] == {"a": [0.0, 1.0, 2.0], "b": [0.0, 2.0, 4.0], "paper": [0, 5]}
+    with pytest.raises(ValueError, match="no values"):
+        plot_runs({"a": paths["a"]}, "losses/bc", tmp_path / "d.png")
