@@ -90,7 +90,7 @@ def plot_runs(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=100)
+    fig, ax = plt.subplots(figsize=(6.5, 4.6), dpi=100)
     for label, path in runs.items():
         records = [r for r in read_metrics(path) if r.get(key) is not None]
         if not records:
@@ -102,10 +102,10 @@ def plot_runs(
     ax.set_ylabel(key)
     ax.set_title(title or key)
     ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=8, ncol=1, frameon=False)
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png)
+    fig.savefig(out_png, bbox_inches="tight")
     plt.close(fig)
     return out_png
