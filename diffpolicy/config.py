@@ -85,7 +85,7 @@ class EnvConfig:
 
     name: str = "mujoco_pick"
     """Config-group entry: mujoco_pick | obstacle_reach | hopper (Gymnasium's Hopper-v5, demonstrated by a
-    medium-quality SAC actor) | gym."""
+    medium-quality PPO actor) | gym."""
     id: str = "diffpolicy_envs:MujocoPick-v0"
     """gymnasium id passed to ``gymnasium.make``."""
     num_envs: int = 4
