@@ -33,7 +33,9 @@ def test_gymnasium_task_from_a_robomimic_file(tmp_path: Path, compose, algo: str
     summary = train.main(cfg, tmp_path / "train")
     assert summary["checkpoint"].endswith("latest")  # what train prints is what evaluate takes
     assert summary["iterations"] == 1 and summary["env_steps"] > 0 and summary["head"] == cfg.algo.head
-    assert 0.0 <= summary["bc_success_rate"] <= 1.0 and 0.0 <= summary["ppo_success_rate"] <= 1.0
+    # InvertedPendulum reports no is_success: returns, and no success rate that would read as "always fails"
+    assert summary["bc_success_rate"] is None and summary["ppo_success_rate"] is None
+    assert summary["bc_return"] > 0 and summary["ppo_return"] > 0
     (bc_root,) = (tmp_path / "cache" / "bc").glob("gym-*[!n]")  # the cached BC checkpoint, not its .run
     bc = checkpoint.load(bc_root)
     assert bc.extra["obs_spec"] == {"state": [4]} and bc.extra["action_dim"] == 1
@@ -45,3 +47,4 @@ def test_gymnasium_task_from_a_robomimic_file(tmp_path: Path, compose, algo: str
         tmp_path / "eval",
     )
     assert result["n_episodes"] == 2 and math.isfinite(result["mean_return"]) and result["mean_return"] > 0
+    assert result["success_rate"] is None and result["failures"] is None
