@@ -24,8 +24,9 @@ class ActionChunkWrapper(gym.Wrapper):
     """One ``step`` executes a (Te, Da) action chunk; the reward is the sum of the executed steps' rewards.
 
     ``info`` carries the last inner step's info plus ``executed`` (inner steps run, <= Te) and
-    ``is_success`` (true if any inner step succeeded; absent when the env reports none, as Hopper's). With ``record=True`` the wrapped env's ``render()``
-    frame is appended to :attr:`frames` after every inner step (for videos).
+    ``is_success`` (true if any inner step succeeded; absent when the env reports none, as Hopper's). With
+    ``record=True`` the wrapped env's ``render()`` frame is appended to :attr:`frames` after every inner step
+    (for videos).
     """
 
     def __init__(self, env: gym.Env, n_action_steps: int, record: bool = False) -> None:

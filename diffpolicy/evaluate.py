@@ -84,11 +84,8 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         deterministic=cfg.deterministic,
         autocast=runtime.autocast,
     )
-    goal = result.reports_success  # an env without a success notion (Hopper): None, not 0.0
     summary: dict[str, Any] = {
-        "success_rate": result.success_rate if goal else None,
-        "success_ci": [round(v, 3) for v in result.wilson()] if goal else None,
-        "failures": result.failures() if goal else None,
+        **result.success_fields(),  # success_rate, success_ci, failures (None without a success notion)
         "drops": result.drops(),  # dropped / missed_tray by how the grasp was lost: released | slipped
         "n_episodes": result.episodes,
         "mean_return": result.mean_return,
@@ -100,7 +97,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.reachability_tries > 0:
         failed_at = [i for i, ok in enumerate(result.successes) if not ok]
         failed = [cfg.eval_seed + i for i in failed_at]
-        reasons = [result.outcomes[i] if i < len(result.outcomes) else "failed" for i in failed_at]
+        reasons = [result.outcomes[i] for i in failed_at]
         explore = cfg.explore_std > 0
         summary["reachability"] = evaluation.reachability(
             policy, env_cfg, failed, tries=cfg.reachability_tries, n_action_steps=policy.n_action_steps,

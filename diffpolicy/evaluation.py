@@ -56,6 +56,14 @@ class EvalResult:
         """95 % Student-t interval of the mean episode return, (low, high) (:func:`mean_interval`)."""
         return mean_interval(self.returns)
 
+    def success_fields(self) -> dict[str, Any]:
+        """``success_rate``, ``success_ci`` (Wilson) and ``failures`` for a summary; all None when the env
+        reports no success (Hopper), so that no 0.0 reads as "always fails"."""
+        if not self.reports_success:
+            return {"success_rate": None, "success_ci": None, "failures": None}
+        ci = [round(v, 3) for v in self.wilson()]
+        return {"success_rate": self.success_rate, "success_ci": ci, "failures": self.failures()}
+
     def failures(self) -> dict[str, int]:
         """Failed episodes per reason, most frequent first (the failure map)."""
         return failure_counts(self.successes, self.outcomes)
@@ -319,7 +327,8 @@ def reachability(
         device=device, deterministic=deterministic, autocast=autocast, seeds=seeds, exploration=exploration,
     )  # fmt: skip
     hits = np.asarray(res.successes, dtype=bool).reshape(len(failed_seeds), tries)
-    reached = [s for s, h in zip(failed_seeds, hits.any(1)) if h]
+    hit_scene = hits.any(1)  # (scenes,) at least one try succeeded
+    reached = [s for s, h in zip(failed_seeds, hit_scene) if h]
     out: dict[str, Any] = {
         "scenes": len(failed_seeds),
         "tries": tries,
@@ -329,7 +338,7 @@ def reachability(
     }
     if reasons is not None:
         out["by_reason"] = {
-            r: [int(sum(h for h, q in zip(hits.any(1), reasons) if q == r)), n]
+            r: [int(sum(h for h, q in zip(hit_scene, reasons) if q == r)), n]
             for r, n in _ranked(reasons).items()
         }
     return out

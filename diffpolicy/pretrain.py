@@ -46,10 +46,7 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
         if cfg.eval_episodes > 0:
             result = held_out(policy, cfg, runtime)
             logger.log({"eval/success_rate": result.success_rate}, metrics["steps"])
-            goal = result.reports_success  # an env without a success notion (Hopper): None, not 0.0
-            summary["success_rate"] = result.success_rate if goal else None
-            summary["success_ci"] = [round(v, 3) for v in result.wilson()] if goal else None
-            summary["failures"] = result.failures() if goal else None
+            summary.update(result.success_fields())  # None without a success notion (Hopper)
             summary["drops"] = result.drops()
             summary["mean_return"] = round(result.mean_return, 2)
             summary["return_ci"] = [round(v, 2) for v in result.return_ci()]  # 95 % Student-t interval
