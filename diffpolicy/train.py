@@ -155,13 +155,18 @@ def fine_tune(
             logger.event("resume", f"resumed from {ckpt.path.name}", env_steps, iteration=first_it)
     broadcast_parameters(head.modules(), info)
     if bc is None:
-        bc = {"successes": [], "outcomes": [], "returns": []}
+        bc = {"successes": [], "outcomes": [], "returns": [], "reports_success": True}
         if info.is_main:
             before = held_out(head.policy, cfg, rt)
-            bc = {"successes": before.successes, "outcomes": before.outcomes, "returns": before.returns}
-        if info.is_main:
-            logger.log({"eval/success_rate": sum(bc["successes"]) / len(bc["successes"]),
-                        "eval/mean_return": float(np.mean(bc["returns"]))}, step=0)  # fmt: skip
+            bc = {"successes": before.successes, "outcomes": before.outcomes, "returns": before.returns,
+                  "reports_success": before.reports_success}  # fmt: skip
+    # an env without a success notion (Hopper) gets no success metrics, curve or summary fields: None, not 0.0
+    goal = bool(bc.get("reports_success", True))
+    if info.is_main:
+        first = {"eval/mean_return": float(np.mean(bc["returns"]))}
+        if goal:
+            first["eval/success_rate"] = sum(bc["successes"]) / len(bc["successes"])
+        logger.log(first, step=0)
     head.begin()
 
     # ---- PPO: one loop, either head
@@ -188,8 +193,11 @@ def fine_tune(
             ppo_time, ppo_steps = ppo_time + t_total, ppo_steps + int(counts["n"])
             split = [split[0] + stats.env_s, split[1] + stats.policy_s, split[2] + t_total - t_roll]
             metrics = mean_metrics(losses, info, rt.device)
+            if goal:
+                metrics["rollout/success_rate"] = (
+                    counts["ok"] / counts["ep"] if counts["ep"] else float("nan")
+                )
             metrics.update({
-                "rollout/success_rate": counts["ok"] / counts["ep"] if counts["ep"] else float("nan"),
                 "rollout/episodes": counts["ep"],
                 "rollout/mean_return": sum(stats.returns) / max(len(stats.returns), 1),
                 "time/rollout_s": t_roll,
@@ -221,13 +229,14 @@ def fine_tune(
     summary: dict[str, Any] | None = None
     if info.is_main:
         after = held_out(head.policy, cfg, rt)
-        logger.log(
-            {"eval/success_rate": after.success_rate, "eval/mean_return": after.mean_return}, step=env_steps
-        )
-        artifacts(cfg, run_dir, head.policy, rt)
+        goal = goal and after.reports_success
+        last = {"eval/mean_return": after.mean_return}
+        if goal:
+            last["eval/success_rate"] = after.success_rate
+        logger.log(last, step=env_steps)
+        artifacts(cfg, run_dir, head.policy, rt, success=goal)
         n_bc, bc_returns = len(bc["successes"]), bc.get("returns", [])
         bc_rate = sum(bc["successes"]) / n_bc
-        goal = after.reports_success  # an env without a success notion (Hopper): None, not 0.0
         summary = {
             "bc_success_rate": bc_rate if goal else None,
             "ppo_success_rate": after.success_rate if goal else None,
@@ -304,11 +313,15 @@ def restore_stable(stable_root: Path, head: Any, rt: Runtime, logger: Logger, st
     logger.event("rollback", f"policy restored from stable checkpoint {ckpt.path.name}", step)
 
 
-def artifacts(cfg: TrainConfig, run_dir: Path, policy: Any, rt: Runtime) -> None:
-    """Success rate and return against environment steps (PNG) and an mp4 of a few held-out episodes."""
+def artifacts(cfg: TrainConfig, run_dir: Path, policy: Any, rt: Runtime, success: bool = True) -> None:
+    """Success rate (when the env reports success) and return against environment steps (PNG), and an mp4 of a
+    few held-out episodes."""
     from diffpolicy.plots import plot_curve
 
-    for key, name in (("rollout/success_rate", "success_rate.png"), ("rollout/mean_return", "return.png")):
+    curves = [("rollout/mean_return", "return.png")]
+    if success:
+        curves.insert(0, ("rollout/success_rate", "success_rate.png"))
+    for key, name in curves:
         try:
             plot_curve(run_dir / "metrics.jsonl", key, run_dir / name)
         except ValueError as exc:  # no episode ended during the rollouts: nothing to draw

@@ -99,7 +99,10 @@ def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
     lo, hi = summary["ppo_return_ci"]
     assert lo <= summary["ppo_return"] <= hi
     assert (run / "return.png").is_file()
-    # algo=dppo_gym sets max_grad_norm 0 (DPPO: no clipping); "0 disables" once clipped every gradient to zero
+    assert not (run / "success_rate.png").exists()  # nor a success curve of zeros
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert not any("rollout/success_rate" in r or "eval/success_rate" in r for r in rows)
+    assert any("eval/mean_return" in r for r in rows)
+    # algo=dppo_gym sets max_grad_norm 0 (DPPO: no clipping); "0 disables" once clipped every gradient to zero
     kls = [r["losses/approx_kl"] for r in rows if "losses/approx_kl" in r]
     assert kls and max(kls) > 1e-9, kls  # the actor moved
