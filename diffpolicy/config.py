@@ -575,9 +575,18 @@ class FilteredBCConfig(LearnerConfig):
     deterministic (every DDIM step's mean, as evaluated: collects only scenes the policy already solves)."""
     explore_std: float = 0.05
     """``explore=chunk``: std of the held action noise, env units (actions are clipped to [-1, 1])."""
+    keep: str = "auto"
+    """Which of a round's episodes are imitated: success (those that reached the goal) | top (the
+    ``keep_fraction`` of the round's episodes with the highest return: %BC, for envs without a success notion
+    such as Hopper) | auto (success where the env reports it, else top)."""
+    keep_fraction: float = 0.25
+    """``keep=top``: the fraction of each round's episodes kept, by return (at least one)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _choice("algo.keep", self.keep, ("auto", "success", "top"))
+        if not 0.0 < self.keep_fraction <= 1.0:
+            raise ValueError(f"algo.keep_fraction={self.keep_fraction} must lie in (0, 1]")
         if self.head != "filtered_bc":
             raise ValueError(f"algo.head={self.head!r}: the filtered_bc learner's head is filtered_bc")
         _choice("algo.explore", self.explore, ("deterministic", "chain", "chunk"))

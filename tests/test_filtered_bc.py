@@ -48,6 +48,36 @@ def test_concat_batches_joins_text_and_tensors() -> None:
     )
 
 
+def test_keep_chooses_successes_or_top_returns() -> None:
+    """algo.keep: the successes; the top keep_fraction by return (ties by order); auto picks by whether the
+    env reports success; success on an env without one is a clear error."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from diffpolicy.config import FilteredBCConfig
+    from diffpolicy.rl.filtered_bc import FilteredBCHead
+
+    def head(**kw: object) -> FilteredBCHead:
+        fake = object.__new__(FilteredBCHead)
+        fake.cfg = SimpleNamespace(algo=FilteredBCConfig(**kw))
+        return fake
+
+    succ, rets = [False, True, False, True, False], [5.0, 1.0, 9.0, 2.0, 9.0]
+    assert head(keep="success").choose(succ, rets, True) == [1, 3]
+    assert head(keep="auto").choose(succ, rets, True) == [1, 3]
+    assert head(keep="top", keep_fraction=0.4).choose(succ, rets, True) == [2, 4]
+    assert head(keep="auto", keep_fraction=0.4).choose(succ, rets, False) == [2, 4]
+    assert head(keep="top", keep_fraction=0.5).choose(succ, rets, False) == [0, 2, 4]  # ceil(2.5) = 3
+    assert head(keep="top", keep_fraction=0.01).choose(succ, rets, False) == [2]  # at least one; tie -> first
+    with pytest.raises(ValueError, match="reports no success"):
+        head(keep="success").choose(succ, rets, False)
+    with pytest.raises(ValueError, match="keep_fraction"):
+        FilteredBCConfig(keep_fraction=0.0)
+    with pytest.raises(ValueError, match="algo.keep"):
+        FilteredBCConfig(keep="best")
+
+
 def test_ema_update_moves_toward_source() -> None:
     t, s = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     before = t.weight.detach().clone()

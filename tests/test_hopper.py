@@ -76,14 +76,21 @@ def test_hopper_demos_keep_every_episode(tmp_path: Path) -> None:
     assert read_meta(tmp_path / "d")["success"] == [None, None]
 
 
-@pytest.mark.parametrize("algo", ["dppo_gym"])
+TINY_LEARNER = {
+    "dppo_gym": ["algo.n_steps=8", "algo.minibatch_size=16"],
+    # Hopper has no success: algo.keep=auto imitates each round's best-return quarter
+    "filtered_bc": ["algo.round_episodes=4", "algo.bc_steps=3"],
+}
+
+
+@pytest.mark.parametrize("algo", sorted(TINY_LEARNER))
 def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
-    """env=hopper with tiny sizes from an empty cache: demonstrations -> BC -> two chain PPO
+    """env=hopper with tiny sizes from an empty cache: demonstrations -> BC -> two fine-tuning
     iterations -> held-out returns with intervals, and the return curve in the run directory."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "diffpolicy.train", "env=hopper", f"algo={algo}", "video_episodes=0",
            "env.num_envs=2", "env.max_episode_steps=100", "bc.n_demos=2", "bc.epochs=2",
-           "policy.mlp_dims=[32,32]", "algo.iterations=2", "algo.n_steps=8", "algo.minibatch_size=16",
+           "policy.mlp_dims=[32,32]", "algo.iterations=2", *TINY_LEARNER[algo],
            "eval_episodes=2", "log.progress=false", "log.tensorboard=false",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip
     out = subprocess.run(
@@ -103,6 +110,11 @@ def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert not any("rollout/success_rate" in r or "eval/success_rate" in r for r in rows)
     assert any("eval/mean_return" in r for r in rows)
+    if algo == "filtered_bc":  # one of each round's 4 episodes kept: its windows are in the data
+        kept = [r["train/kept_windows"] for r in rows if "train/kept_windows" in r]
+        added = [r["train/added_windows"] for r in rows if "train/added_windows" in r]
+        assert added and min(added) > 0 and kept[-1] > 0, (kept, added)
+        return
     # algo=dppo_gym sets max_grad_norm 0 (DPPO: no clipping); "0 disables" once clipped every gradient to zero
     kls = [r["losses/approx_kl"] for r in rows if "losses/approx_kl" in r]
     assert kls and max(kls) > 1e-9, kls  # the actor moved

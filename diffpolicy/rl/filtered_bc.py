@@ -1,4 +1,5 @@
-"""Success-filtered self-imitation (``algo=filtered_bc``): roll out, keep the successes, continue BC on them.
+"""Success-filtered self-imitation (``algo=filtered_bc``): roll out, keep the successes (or the best returns),
+continue BC on them.
 
 One round (one iteration of the loop in ``train.py``):
 
@@ -9,10 +10,12 @@ One round (one iteration of the loop in ``train.py``):
    chain) or ``chunk`` (the deterministic chain, its executed actions offset by Gaussian noise of std
    ``algo.explore_std`` held over each decision's steps: :class:`diffpolicy.evaluation.Exploration`). The
    actions kept are the ones executed, noise included.
-2. **Filter.** Every decision of a successful episode becomes a training window: its observation (To = 1)
+2. **Filter.** Every decision of a kept episode becomes a training window: its observation (To = 1)
    and the Ta actions executed from there on (the following decisions' executed actions; the last one
    repeated past the episode's end), exactly the windows a demonstration gives at the steps where the policy
-   replans. Failed episodes are dropped. The windows accumulate over rounds.
+   replans. ``algo.keep`` chooses the episodes: the successful ones, or, for an env without a success notion
+   (Hopper), the ``algo.keep_fraction`` of the round with the highest return (%BC, Chen et al. 2021). The
+   others are dropped. The windows accumulate over rounds.
 3. **Update.** The trained weights restart from the EMA weights and take ``algo.bc_steps`` AdamW steps
    (``algo.lr``) of the BC loss on batches of ``bc.batch_size`` windows drawn uniformly from the
    demonstrations and every kept window; the EMA (``bc.ema_decay``) follows, and is what is rolled out,
@@ -157,7 +160,7 @@ class FilteredBCHead(PolicyHead):
 
     # ------------------------------------------------------------------------------------------ rollout
     def rollout(self, seed: int) -> RolloutStats:
-        """``algo.round_episodes`` episodes on fresh scenes; the successful ones' windows are kept."""
+        """``algo.round_episodes`` episodes on fresh scenes; the windows of those ``algo.keep`` chooses are kept."""
         algo, n, device = self.cfg.algo, self.cfg.env.num_envs, self.rt.device
         deterministic = algo.explore != "chain"
         noise = Exploration(algo.explore_std if algo.explore == "chunk" else 0.0, hold="chunk")
@@ -166,7 +169,7 @@ class FilteredBCHead(PolicyHead):
         stats, record = RolloutStats(), EpisodeRecord(n)
         base = TRAIN_SEED_BASE + seed % (2**31 - 2 * TRAIN_SEED_BASE)
         self.policy.eval()
-        added = 0
+        played: list[list[tuple[dict[str, Any], np.ndarray]]] = []  # every finished episode, in record order
         for start in range(0, algo.round_episodes, n):
             live = np.arange(n) < min(n, algo.round_episodes - start)
             obs, _ = self.venv.reset(seed=[base + start + i for i in range(n)])
@@ -190,12 +193,35 @@ class FilteredBCHead(PolicyHead):
                     episodes[i].append((seen, actions[i, : int(executed[i])]))
                 record.step(reward, term, trunc, info, executed)
                 obs = obs_next
-            added += sum(self.kept.add_episode(episodes[i]) for i in np.flatnonzero(live & record.succ))
+            by_success = self.cfg.algo.keep == "success" or (
+                self.cfg.algo.keep == "auto" and record.reports_success
+            )
+            # a failed episode is never imitated under the success filter: hold only what may be kept
+            played += [episodes[i] if record.succ[i] or not by_success else [] for i in np.flatnonzero(live)]
             record.end()
+        chosen = self.choose(record.successes, record.returns, record.reports_success)
+        self._added = sum(self.kept.add_episode(played[i]) for i in chosen)
         stats.env_steps, stats.episodes = record.env_steps, len(record.successes)
         stats.successes, stats.returns = int(sum(record.successes)), record.returns
-        self._added = added
         return stats
+
+    def choose(self, successes: list[bool], returns: list[float], reports_success: bool) -> list[int]:
+        """The indices of a round's episodes to imitate (``algo.keep``): the successes, or the top
+        ``algo.keep_fraction`` by return (ties broken by order); ``auto`` is ``success`` where the env reports
+        success and ``top`` where it does not."""
+        keep = self.cfg.algo.keep
+        if keep == "auto":
+            keep = "success" if reports_success else "top"
+        if keep == "success":
+            if not reports_success:
+                raise ValueError(
+                    "algo.keep=success, but this env reports no success (no info['is_success']): "
+                    "use algo.keep=top (or auto) to keep the highest-return episodes"
+                )
+            return [i for i, ok in enumerate(successes) if ok]
+        n = max(1, math.ceil(self.cfg.algo.keep_fraction * len(returns)))
+        order = sorted(range(len(returns)), key=lambda i: (-returns[i], i))
+        return sorted(order[:n])
 
     # ------------------------------------------------------------------------------------------- update
     def update(self, seed: int, step: int, iteration: int) -> dict[str, float]:
