@@ -160,13 +160,12 @@ def fine_tune(
             before = held_out(head.policy, cfg, rt)
             bc = {"successes": before.successes, "outcomes": before.outcomes, "returns": before.returns,
                   "reports_success": before.reports_success}  # fmt: skip
+            first = {"eval/mean_return": float(np.mean(bc["returns"]))}
+            if before.reports_success:
+                first["eval/success_rate"] = sum(bc["successes"]) / len(bc["successes"])
+            logger.log(first, step=0)
     # an env without a success notion (Hopper) gets no success metrics, curve or summary fields: None, not 0.0
     goal = bool(bc.get("reports_success", True))
-    if info.is_main:
-        first = {"eval/mean_return": float(np.mean(bc["returns"]))}
-        if goal:
-            first["eval/success_rate"] = sum(bc["successes"]) / len(bc["successes"])
-        logger.log(first, step=0)
     head.begin()
 
     # ---- PPO: one loop, either head

@@ -101,6 +101,10 @@ def test_resume_after_a_stop_is_exact(
     assert all(torch.equal(a[k], b[k]) for k in a)
     steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "losses/policy" in r]
     assert steps == sorted(set(steps)) and len(steps) == 3  # no duplicated iterations after the resume
+    bc_rows = [
+        r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] == 0 and "eval/mean_return" in r
+    ]
+    assert len(bc_rows) == 1  # the BC evaluation is carried in the checkpoint, not logged again
 
 
 def test_sigkill_mid_run_then_resume_matches(
