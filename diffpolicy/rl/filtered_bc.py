@@ -193,10 +193,8 @@ class FilteredBCHead(PolicyHead):
                     episodes[i].append((seen, actions[i, : int(executed[i])]))
                 record.step(reward, term, trunc, info, executed)
                 obs = obs_next
-            by_success = self.cfg.algo.keep == "success" or (
-                self.cfg.algo.keep == "auto" and record.reports_success
-            )
             # a failed episode is never imitated under the success filter: hold only what may be kept
+            by_success = self.keep_rule(record.reports_success) == "success"
             played += [episodes[i] if record.succ[i] or not by_success else [] for i in np.flatnonzero(live)]
             record.end()
         chosen = self.choose(record.successes, record.returns, record.reports_success)
@@ -205,14 +203,18 @@ class FilteredBCHead(PolicyHead):
         stats.successes, stats.returns = int(sum(record.successes)), record.returns
         return stats
 
+    def keep_rule(self, reports_success: bool) -> str:
+        """``algo.keep`` with ``auto`` resolved: success where the env reports success, else top."""
+        keep = self.cfg.algo.keep
+        if keep == "auto":
+            return "success" if reports_success else "top"
+        return keep
+
     def choose(self, successes: list[bool], returns: list[float], reports_success: bool) -> list[int]:
         """The indices of a round's episodes to imitate (``algo.keep``): the successes, or the top
         ``algo.keep_fraction`` by return (ties broken by order); ``auto`` is ``success`` where the env reports
         success and ``top`` where it does not."""
-        keep = self.cfg.algo.keep
-        if keep == "auto":
-            keep = "success" if reports_success else "top"
-        if keep == "success":
+        if self.keep_rule(reports_success) == "success":
             if not reports_success:
                 raise ValueError(
                     "algo.keep=success, but this env reports no success (no info['is_success']): "
