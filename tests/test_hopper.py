@@ -118,3 +118,21 @@ def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
     # algo=dppo_gym sets max_grad_norm 0 (DPPO: no clipping); "0 disables" once clipped every gradient to zero
     kls = [r["losses/approx_kl"] for r in rows if "losses/approx_kl" in r]
     assert kls and max(kls) > 1e-9, kls  # the actor moved
+
+
+def test_tiny_hopper_pretrain_logs_returns_not_success(tmp_path: Path) -> None:
+    """pretrain on Hopper logs the held-out return and no eval/success_rate of zeros, as train does."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "diffpolicy.pretrain", "env=hopper", "env.num_envs=2",
+           "env.max_episode_steps=50", "bc.n_demos=2", "bc.epochs=1", "policy.mlp_dims=[16,16]",
+           "eval_episodes=2", "log.progress=false", "log.tensorboard=false",
+           f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["success_rate"] is None and summary["mean_return"] > 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert not any("eval/success_rate" in r for r in rows)
+    assert any(r.get("eval/mean_return", 0) > 0 for r in rows)
