@@ -566,7 +566,9 @@ class FilteredBCConfig(LearnerConfig):
     round_episodes: int = 192
     """Episodes rolled out per round (iteration), on fresh training scenes."""
     bc_steps: int = 400
-    """BC optimiser steps per round on the demonstrations + kept successes (batch ``bc.batch_size``)."""
+    """BC optimiser steps per round on the demonstrations + kept successes (batch ``batch_size``)."""
+    batch_size: int | None = None
+    """Windows per continuation step (null: ``bc.batch_size``, the batch the base was cloned with)."""
     explore: str = "chunk"
     """How rollouts sample: chunk (the deterministic chain plus Gaussian action noise of std ``explore_std``
     drawn once per decision and held over its executed steps: reaches 55 % of the scenes the deterministic
@@ -593,6 +595,8 @@ class FilteredBCConfig(LearnerConfig):
         _positive("algo.explore_std", self.explore_std, allow_zero=True)
         _positive("algo.round_episodes", self.round_episodes)
         _positive("algo.bc_steps", self.bc_steps)
+        if self.batch_size is not None:
+            _positive("algo.batch_size", self.batch_size)
 
 
 def as_learner(algo: Any) -> LearnerConfig:

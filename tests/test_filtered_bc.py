@@ -76,6 +76,8 @@ def test_keep_chooses_successes_or_top_returns() -> None:
         FilteredBCConfig(keep_fraction=0.0)
     with pytest.raises(ValueError, match="algo.keep"):
         FilteredBCConfig(keep="best")
+    with pytest.raises(ValueError, match="algo.batch_size"):
+        FilteredBCConfig(batch_size=0)
 
 
 def test_ema_update_moves_toward_source() -> None:
@@ -91,7 +93,7 @@ def test_tiny_filtered_bc_run(tmp_path: Path, init_ckpt: Path) -> None:
 
     run = [a for a in TINY_RUN if not a.startswith("algo.")] + [
         "algo=filtered_bc", "algo.iterations=2", "algo.round_episodes=4", "algo.bc_steps=3", "bc.n_demos=2",
-        f"cache_dir={tmp_path / 'cache'}",
+        "algo.batch_size=8", f"cache_dir={tmp_path / 'cache'}",
     ]  # fmt: skip
     run = [a for a in run if a != "algo=ppo"]
     cmd = [sys.executable, "-m", "diffpolicy.train", *run, *TINY_POLICY, f"policy.init={init_ckpt}",
@@ -109,6 +111,9 @@ def test_tiny_filtered_bc_run(tmp_path: Path, init_ckpt: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["losses/bc"] for r in rows if "losses/bc" in r and "train/kept_windows" in r]
     assert len(losses) == 2 and all(np.isfinite(losses))
+    assert {r["train/batch_windows"] for r in rows if "train/batch_windows" in r} == {
+        8.0
+    }  # not bc.batch_size
 
 
 def test_fpo_ratio_is_one_on_the_rollout_weights_and_follows_the_loss() -> None:

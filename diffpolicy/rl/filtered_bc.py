@@ -17,7 +17,7 @@ One round (one iteration of the loop in ``train.py``):
    (Hopper), the ``algo.keep_fraction`` of the round with the highest return (%BC, Chen et al. 2021). The
    others are dropped. The windows accumulate over rounds.
 3. **Update.** The trained weights restart from the EMA weights and take ``algo.bc_steps`` AdamW steps
-   (``algo.lr``) of the BC loss on batches of ``bc.batch_size`` windows drawn uniformly from the
+   (``algo.lr``) of the BC loss on batches of ``algo.batch_size`` (default ``bc.batch_size``) windows drawn uniformly from the
    demonstrations and every kept window; the EMA (``bc.ema_decay``) follows, and is what is rolled out,
    evaluated and saved.
 
@@ -233,7 +233,7 @@ class FilteredBCHead(PolicyHead):
         self.model.train()
         gen = torch.Generator().manual_seed(seed)
         n_demo, n_kept = len(self.demos), len(self.kept)
-        batch = min(self.cfg.bc.batch_size, n_demo + n_kept)
+        batch = min(algo.batch_size or self.cfg.bc.batch_size, n_demo + n_kept)
         warmup = max(1, algo.bc_steps // 20)
         values = []
         for k in range(algo.bc_steps):
@@ -262,6 +262,7 @@ class FilteredBCHead(PolicyHead):
             "losses/bc": sum(values) / max(1, len(values)),
             "losses/bc_first": sum(values[:tenth]) / tenth,  # is the round's continuation still learning?
             "losses/bc_last": sum(values[-tenth:]) / tenth,
+            "train/batch_windows": float(batch),
             "train/kept_windows": float(n_kept),
             "train/added_windows": float(self._added),
             "train/demo_fraction": n_demo / max(1, n_demo + n_kept),
