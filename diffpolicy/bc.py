@@ -37,6 +37,9 @@ BC_WEIGHT_DECAY = 1e-6
 BC_FIELDS = {"bc_epochs": "epochs", "bc_batch_size": "batch_size", "bc_lr": "lr", "ema_decay": "ema_decay",
              "n_demos": "n_demos", "bc_max_grad_norm": "max_grad_norm"}  # fmt: skip
 """BCConfig fields that change a BC result (the cache key), under the names the keys were first made with."""
+BC_FIELDS_ADDED = ("noise_draws", "target_aux_weight")
+"""BCConfig fields that change a BC result but entered the cache key later: keyed only when not at their
+defaults, so caches written before them stay valid."""
 POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing", "ft_steps", "ft_fraction", "eta", "min_std")
 """PolicyConfig fields that do not change a BC result (left out of the cache key); the sampling ones are set
 on the loaded policy by :func:`diffpolicy.train.initial_policy` (``DiffusionPolicy.set_sampling``)."""
@@ -77,6 +80,27 @@ def ema_update(target: torch.nn.Module, source: torch.nn.Module, decay: float) -
         t.lerp_(s.detach(), 1.0 - decay)
     for t, s in zip(target.buffers(), source.buffers()):
         t.copy_(s)
+
+
+class TargetHead(torch.nn.Module):
+    """BC's auxiliary head: the condition (B, cond_dim) -> the named object's position, scaled from the
+    workspace box ``low`` .. ``high`` (m) to [-1, 1] (B, 3). Trained beside the policy, never saved with it."""
+
+    def __init__(self, cond_dim: int, low: list[float], high: list[float], hidden: int = 256) -> None:
+        super().__init__()
+        self.register_buffer("low", torch.tensor(low, dtype=torch.float32), persistent=False)
+        self.register_buffer("high", torch.tensor(high, dtype=torch.float32), persistent=False)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(cond_dim, hidden), torch.nn.Mish(), torch.nn.Linear(hidden, 3)
+        )
+
+    def forward(self, cond: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cond (B, cond_dim), target (B, 3) m -> (mean squared error in box units, mean error (m) detached)."""
+        span = self.high - self.low
+        pred = self.net(cond.float())  # (B, 3) in box units
+        goal = (target.float() - self.low) / span * 2 - 1
+        error = ((pred.detach() - goal) * span / 2).norm(dim=-1).mean()
+        return torch.nn.functional.mse_loss(pred, goal), error
 
 
 @torch.no_grad()
@@ -150,7 +174,13 @@ def behaviour_cloning(
     policy.to(device).train()
     ema = EMA(policy, bc_cfg.ema_decay)
 
+    aux = None
+    if bc_cfg.target_aux_weight > 0:
+        data.target(torch.zeros(1, dtype=torch.long))  # a dataset without the label fails here, not mid-run
+        enc = policy_cfg.encoder
+        aux = TargetHead(policy_cfg.cond_dim, enc.workspace_low, enc.workspace_high).to(device)
     params = [p for p in policy.parameters() if p.requires_grad]
+    params += list(aux.parameters()) if aux is not None else []
     optim = torch.optim.AdamW(params, lr=bc_cfg.lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
     batch_size = min(bc_cfg.batch_size, len(data))
     per_epoch = len(data) // batch_size
@@ -173,6 +203,7 @@ def behaviour_cloning(
             obs_spec=data.obs_spec,
             extra_state={
                 "model": policy.state_dict(),
+                **({"target_head": aux.state_dict()} if aux is not None else {}),
                 "optim": optim.state_dict(),
                 "rng": checkpoint.rng_state(),
             },
@@ -184,6 +215,7 @@ def behaviour_cloning(
     probe_idx = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:PROBE_WINDOWS]
     probe = data.batch(probe_idx, device)  # fixed windows for condition_gap
     step, epoch_loss, window_loss, window_n, gap = 0, float("nan"), 0.0, 0, float("nan")
+    aux_sum, aux_error_sum = 0.0, 0.0
     t_train = time.perf_counter()
     bar = iter(logger.progress(range(total), total=total, desc="bc"))
     for epoch in range(1, bc_cfg.epochs + 1):
@@ -191,11 +223,20 @@ def behaviour_cloning(
         loss_sum = 0.0
         for b in range(per_epoch):
             next(bar, None)
-            obs, actions = data.batch(order[b * batch_size : (b + 1) * batch_size], device)
+            idx = order[b * batch_size : (b + 1) * batch_size]
+            obs, actions = data.batch(idx, device)
             with runtime.autocast():
-                loss = policy.bc_loss(obs, actions)
+                if aux is None:
+                    loss = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws)
+                    total_loss = loss
+                else:
+                    loss, cond = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, return_cond=True)
+                    aux_loss, aux_error = aux(cond, data.target(idx, device))
+                    total_loss = loss + bc_cfg.target_aux_weight * aux_loss
+                    aux_sum += float(aux_loss.detach())
+                    aux_error_sum += float(aux_error)
             optim.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+            scaler.scale(total_loss).backward()
             scaler.unscale_(optim)
             torch.nn.utils.clip_grad_norm_(params, bc_cfg.max_grad_norm or math.inf)
             scaler.step(optim)
@@ -209,7 +250,12 @@ def behaviour_cloning(
             loss_sum += value
             window_loss, window_n = window_loss + value, window_n + 1
             if window_n == LOG_EVERY or step == total:
-                logger.log({"losses/bc": window_loss / window_n, "train/lr": sched.get_last_lr()[0]}, step)
+                scalars = {"losses/bc": window_loss / window_n, "train/lr": sched.get_last_lr()[0]}
+                if aux is not None:  # the auxiliary loss and how far the head places the named object
+                    scalars["losses/target_aux"] = aux_sum / window_n
+                    scalars["train/target_error_cm"] = 100 * aux_error_sum / window_n
+                    aux_sum, aux_error_sum = 0.0, 0.0
+                logger.log(scalars, step)
                 window_loss, window_n = 0.0, 0
         epoch_loss = loss_sum / max(1, per_epoch)
         scalars = {"losses/bc_epoch": epoch_loss, "train/epoch": epoch}
@@ -250,6 +296,10 @@ def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, bc_cfg: BCConfig, seed:
     bc = {
         old: getattr(bc_cfg, new) for old, new in BC_FIELDS.items() if not (bc_cfg.demos and new == "n_demos")
     }
+    bc_defaults = BCConfig()
+    bc.update(
+        {k: getattr(bc_cfg, k) for k in BC_FIELDS_ADDED if getattr(bc_cfg, k) != getattr(bc_defaults, k)}
+    )
     blob = json.dumps(
         {"demos": demonstrations_key(env_cfg, bc_cfg, seed), "policy": policy, "bc": bc, "seed": seed},
         sort_keys=True,

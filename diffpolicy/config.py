@@ -338,6 +338,15 @@ class BCConfig:
     (``data/demo_N/{obs/<key>, actions, rewards, dones}``), a local Minari dataset (``minari:ID``, or its
     directory) or a dataset in this project's format (:mod:`diffpolicy.demos`); '' collects from the expert.
     Checked against the environment's spaces and converted into the cache once."""
+    noise_draws: int = 1
+    """(step, noise) draws of the denoising loss per encoded observation: the encoders run once per window
+    and the denoiser on ``noise_draws`` noised copies of its chunk (lower-variance encoder gradients, at the
+    denoiser's cost only)."""
+    target_aux_weight: float = 0.0
+    """Weight of an auxiliary loss during BC: an MLP head on the condition predicts the named object's
+    position (the demonstrations' privileged ``target_pos``, scaled to the encoder's workspace box; mean
+    squared error), so the encoders must locate what the instruction names. Training-time only: the head is
+    not part of the saved policy. 0 disables; needs demonstrations that record ``target_pos`` (MujocoPick)."""
     obs_keys: dict[str, list[str]] = field(default_factory=dict)
     """``bc.demos``: environment observation key -> the dataset's keys whose per-step values, flattened and
     concatenated in this order, form it (``+bc.obs_keys.state=[qpos,qvel]``); a key not named here is read
@@ -352,6 +361,8 @@ class BCConfig:
                 raise ValueError(f"bc.obs_keys.{key} is empty; name the dataset keys that form {key!r}")
         _positive("bc.lr", self.lr)
         _positive("bc.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _positive("bc.noise_draws", self.noise_draws)
+        _positive("bc.target_aux_weight", self.target_aux_weight, allow_zero=True)
         _unit("bc.ema_decay", self.ema_decay)
 
 

@@ -41,7 +41,14 @@ from typing import Any
 import numpy as np
 
 from diffpolicy.config import ENV_RUNTIME_FIELDS, BCConfig, EnvConfig
-from diffpolicy.data.dataset import INSTRUCTION_KEY, REWARD_KEY, DemoFormatError, DemoWriter, read_meta
+from diffpolicy.data.dataset import (
+    INSTRUCTION_KEY,
+    REWARD_KEY,
+    TARGET_KEY,
+    DemoFormatError,
+    DemoWriter,
+    read_meta,
+)
 from diffpolicy.modalities import TENSOR_KEYS
 
 Progress = Callable[..., Iterator[Any]]
@@ -84,11 +91,13 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
     Returns:
         ``(episode, success)``: ``episode`` maps ``action`` (L, Da), ``reward`` (L,) and each observation key
         to L steps (``rgb`` (L, H, W, 3) uint8, ``points`` (L, N, 6), ``state`` (L, Ds), ``instruction`` one
-        string); step t holds the observation the expert acted on, the action it took and its reward.
+        string), plus ``target_pos`` (L, 3) where the env's info reports it (a privileged label); step t
+        holds the observation the expert acted on, the action it took and its reward.
         ``success`` is None when the environment reports no ``is_success`` (Hopper: returns, no goal).
     """
-    obs, _ = env.reset(seed=seed)
+    obs, info = env.reset(seed=seed)
     steps: dict[str, list[Any]] = {k: [] for k in TENSOR_KEYS if k in obs}
+    targets: list[np.ndarray] | None = [] if TARGET_KEY in info else None
     actions: list[np.ndarray] = []
     rewards: list[float] = []
     instruction = obs.get("instruction")
@@ -96,6 +105,8 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
     while True:
         for key in steps:
             steps[key].append(np.array(obs[key], copy=True))
+        if targets is not None:  # the label of the observation just stored
+            targets.append(np.asarray(info[TARGET_KEY], dtype=np.float32))
         action = expert.act(env)
         actions.append(np.asarray(action, dtype=np.float32))
         obs, reward, terminated, truncated, info = env.step(action)
@@ -107,6 +118,8 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
     episode: dict[str, Any] = {key: np.stack(values) for key, values in steps.items()}
     episode["action"] = np.stack(actions)  # (L, Da)
     episode[REWARD_KEY] = np.asarray(rewards, dtype=np.float32)  # (L,)
+    if targets is not None:
+        episode[TARGET_KEY] = np.stack(targets)  # (L, 3)
     if instruction is not None:
         episode["instruction"] = str(instruction)
     return episode, success if reported else None

@@ -90,16 +90,71 @@ def test_behaviour_cloning_reach(tmp_path, reach_demos):
 
 
 def test_behaviour_cloning_multimodal(tmp_path):
+    """Multimodal BC with the auxiliary target loss and two noise draws per observation; the privileged
+    label is recorded per step, served by the windows, logged as an error in cm, and not saved as policy."""
     demos = collect_demos(PICK, 1, 0, tmp_path / "pick")["path"]
-    algo = BCConfig(epochs=1, batch_size=16)
+    data = DemoWindows(demos, 1, 16)
+    assert data.has_target and "target_pos" not in data.obs_keys  # a label, never an observation
+    first = data.target(torch.tensor([0]))
+    assert first.shape == (1, 3) and 0.0 < float(first[0, 2]) < 0.2  # a cube resting on the table
+    algo = BCConfig(epochs=2, batch_size=16, target_aux_weight=1.0, noise_draws=2)
     with Logger(tmp_path, tensorboard=False, progress=False) as log:
         policy, metrics = behaviour_cloning(
             PICK, SMALL, algo, demos, CPU, log, tmp_path, 0, text_backend="hash"
         )
     assert metrics["steps"] >= 1
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "losses/target_aux" in r]
+    assert rows and all(0 < r["train/target_error_cm"] < 200 for r in rows)
     loaded, _, ckpt = load_policy(metrics["checkpoint"])
     assert ckpt.extra["obs_spec"] == {"rgb": [32, 32, 3], "points": [64, 6], "state": [10], "instruction": []}
     assert ckpt.extra["text_backend"] == "hash"
+    assert not any(k.startswith("net.") for k in ckpt.state["policy"])  # the head stays out of the policy
+
+
+def test_target_aux_needs_the_label(tmp_path, reach_demos):
+    """A dataset that records no target_pos fails before training, with what to do."""
+    with Logger(tmp_path, tensorboard=False, progress=False) as log:
+        with pytest.raises(ValueError, match="record no 'target_pos'"):
+            behaviour_cloning(REACH, SMALL, BCConfig(epochs=1, target_aux_weight=0.5), reach_demos, CPU,
+                              log, tmp_path, 0)  # fmt: skip
+    with pytest.raises(ValueError, match="bc.noise_draws"):
+        BCConfig(noise_draws=0)
+    with pytest.raises(ValueError, match="bc.target_aux_weight"):
+        BCConfig(target_aux_weight=-1.0)
+
+
+def test_noise_draws_average_the_denoising_loss_over_repeated_draws(reach_demos):
+    """bc_loss(draws=k) against a looped reference: the mean over k (t, eps) draws of each window."""
+    data = DemoWindows(reach_demos, 1, 16)
+    policy = build_policy(SMALL, data.obs_spec, data.action_dim)
+    policy.fit_normalizers(actions=data.data["action"], state=data.data["state"])
+    obs, actions = data.batch(torch.arange(5))
+    got = policy.bc_loss(obs, actions, generator=torch.Generator().manual_seed(3), draws=3)
+    gen = torch.Generator().manual_seed(3)
+    T = policy.schedule.train_timesteps
+    t = torch.randint(0, T, (15,), generator=gen)
+    x0 = policy.action_normalizer.normalize(actions).repeat_interleave(3, 0)
+    noise = torch.randn(x0.shape, generator=gen)
+    cond = policy.encode(obs)
+    terms = []
+    for i in range(15):  # window i // 3, its (i % 3)-th draw
+        a = policy.schedule.alphas_cumprod[t[i]]
+        x_t = a.sqrt() * x0[i] + (1 - a).sqrt() * noise[i]
+        eps = policy.denoiser(x_t[None], t[i : i + 1], cond[i // 3 : i // 3 + 1])[0]
+        terms.append(((eps - noise[i]) ** 2).mean())
+    torch.testing.assert_close(got, torch.stack(terms).mean(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="draws"):
+        policy.bc_loss(obs, actions, draws=0)
+
+
+def test_added_bc_fields_enter_the_cache_key_only_when_set():
+    from diffpolicy.bc import bc_key
+
+    base = BCConfig(epochs=1, batch_size=32, n_demos=2)
+    key = bc_key(REACH, SMALL, base, 0)
+    assert bc_key(REACH, SMALL, dataclasses.replace(base, noise_draws=1, target_aux_weight=0.0), 0) == key
+    assert bc_key(REACH, SMALL, dataclasses.replace(base, noise_draws=2), 0) != key
+    assert bc_key(REACH, SMALL, dataclasses.replace(base, target_aux_weight=0.1), 0) != key
 
 
 def test_pretrained_checkpoint_is_cached(tmp_path, monkeypatch):

@@ -55,7 +55,10 @@ META_FILE = "meta.json"
 ACTION_KEY = "action"
 REWARD_KEY = "reward"
 INSTRUCTION_KEY = "instruction"
-NON_OBSERVATION_FIELDS = (ACTION_KEY, REWARD_KEY)
+TARGET_KEY = "target_pos"
+"""A privileged training label (3,) m: the named object's position (MujocoPick's ``info["target_pos"]``),
+recorded by the scripted expert's collection and read only by BC's auxiliary loss, never by a policy."""
+NON_OBSERVATION_FIELDS = (ACTION_KEY, REWARD_KEY, TARGET_KEY)
 """Fields of a step that are not observations (every other field is one)."""
 DEFAULT_CHUNK_LEN = 1024
 """Steps per chunk file."""

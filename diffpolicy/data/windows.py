@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffpolicy.data.dataset import NON_OBSERVATION_FIELDS, DemoReader
+from diffpolicy.data.dataset import NON_OBSERVATION_FIELDS, TARGET_KEY, DemoReader
 
 
 class DemoWindows:
@@ -36,9 +36,10 @@ class DemoWindows:
         fields = [k for k in reader.fields if k not in NON_OBSERVATION_FIELDS]
         self.obs_keys = [k for k in (obs_keys or fields) if k in fields]
         self.instructions = list(reader.instructions)
-        self.data = {
-            k: torch.from_numpy(reader.read(k, 0, reader.num_steps)) for k in [*self.obs_keys, "action"]
-        }
+        self.has_target = TARGET_KEY in reader.fields
+        """The dataset records the privileged ``target_pos`` label (:meth:`target`)."""
+        loaded = [*self.obs_keys, "action", *([TARGET_KEY] if self.has_target else [])]
+        self.data = {k: torch.from_numpy(reader.read(k, 0, reader.num_steps)) for k in loaded}
         success = self.meta["success"]
         keep = [i for i in range(reader.num_episodes) if success[i] is not False]
         if not keep:
@@ -81,6 +82,15 @@ class DemoWindows:
                 )
         actions = self.data["action"][self.act_idx[idx]].float().to(device, non_blocking=True)  # (B, Ta, Da)
         return obs, actions
+
+    def target(self, idx: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The privileged label of windows ``idx`` (B,): the named object's position (B, 3) m at step t."""
+        if not self.has_target:
+            raise ValueError(
+                f"demonstrations at {self.path} record no {TARGET_KEY!r} (collected before it was recorded, "
+                "or imported): collect them again (remove them from the cache) or set bc.target_aux_weight=0"
+            )
+        return self.data[TARGET_KEY][self.obs_idx[idx, -1]].float().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------------------------- training

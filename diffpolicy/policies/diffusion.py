@@ -232,9 +232,26 @@ class DiffusionPolicy(PolicyBase):
         return log_prob.clamp(float(low), float(high))
 
     def bc_loss(
-        self, obs: Obs, actions: torch.Tensor, *, generator: torch.Generator | None = None
-    ) -> torch.Tensor:
-        """Behaviour-cloning DDPM loss: obs (B, To, ...), actions (B, Ta, Da) env units -> scalar (fp32)."""
+        self,
+        obs: Obs,
+        actions: torch.Tensor,
+        *,
+        generator: torch.Generator | None = None,
+        draws: int = 1,
+        return_cond: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Behaviour-cloning DDPM loss: obs (B, To, ...), actions (B, Ta, Da) env units -> scalar (fp32).
+
+        ``draws`` > 1 encodes each observation once and averages the loss over that many (step, noise)
+        draws of its chunk (the denoiser sees B * draws samples): lower-variance gradients for the encoders
+        at the denoiser's cost only. ``return_cond`` also returns the condition (B, cond_dim), for an
+        auxiliary loss on it."""
+        if draws < 1:
+            raise ValueError(f"draws={draws} must be >= 1")
         cond = self.encode(obs)
         x0 = self.action_normalizer.normalize(actions.to(self.device, torch.float32))
-        return ddpm_loss(self.denoiser, x0, cond, self.schedule, generator=generator)
+        c, x = (
+            (cond, x0) if draws == 1 else (cond.repeat_interleave(draws, 0), x0.repeat_interleave(draws, 0))
+        )
+        loss = ddpm_loss(self.denoiser, x, c, self.schedule, generator=generator)
+        return (loss, cond) if return_cond else loss

@@ -88,9 +88,20 @@ class GaussianPolicy(PolicyBase):
         return self.reduce_executed(normal_log_prob(chain[:, 1].float(), mean, std)).unsqueeze(1)
 
     def bc_loss(
-        self, obs: Obs, actions: torch.Tensor, *, generator: torch.Generator | None = None
-    ) -> torch.Tensor:
-        """Negative log-likelihood of the normalised demonstration chunk (B, Ta, Da), averaged; scalar fp32."""
-        mean, std = self.mean_std(self.encode(obs))
+        self,
+        obs: Obs,
+        actions: torch.Tensor,
+        *,
+        generator: torch.Generator | None = None,
+        draws: int = 1,
+        return_cond: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Negative log-likelihood of the normalised demonstration chunk (B, Ta, Da), averaged; scalar fp32
+        (and the condition (B, cond_dim) with ``return_cond``). The likelihood is exact: ``draws`` must be 1."""
+        if draws != 1:
+            raise ValueError(f"draws={draws}: the Gaussian policy's loss has no noise to draw again; use 1")
+        cond = self.encode(obs)
+        mean, std = self.mean_std(cond)
         x = self.action_normalizer.normalize(actions.to(self.device, torch.float32))
-        return -normal_log_prob(x, mean, std).mean()
+        loss = -normal_log_prob(x, mean, std).mean()
+        return (loss, cond) if return_cond else loss

@@ -78,6 +78,7 @@ weighted sum), default ``5.0 * success + 0.8 * distance_improvement + 0.2 * smoo
 | ``smoothness`` | minus the Euclidean norm of the change of the (clipped) action since the last step |
 
 ``info`` also holds ``is_success`` (bool), ``target_id`` (0 red, 1 green, 2 blue), ``target_color``,
+``target_pos`` (3,) m (the named cube's centre in the base frame: privileged, a training-time label only),
 ``instruction``, ``grasped`` (both jaws touch the target cube), ``obs_age``, and what the episode would be
 called if it ended now, ``outcome`` (one of :data:`OUTCOMES`):
 
@@ -477,6 +478,7 @@ class MujocoPickEnv(gym.Env):
             "is_success": False,
             "target_id": self.target_id,
             "target_color": COLORS[self.target_id],
+            "target_pos": self._prev_cube.copy(),
             "instruction": self.instruction,
             "obs_age": 0,
             "outcome": "timed_out",
@@ -544,6 +546,7 @@ class MujocoPickEnv(gym.Env):
             "is_success": success,
             "target_id": self.target_id,
             "target_color": COLORS[self.target_id],
+            "target_pos": cube.copy(),
             "instruction": self.instruction,
             "grasped": grasped,
             "obs_age": self._obs_age,
