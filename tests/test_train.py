@@ -285,10 +285,18 @@ def test_default_run_is_the_cpu_mission() -> None:
     assert pre.bc == cfg.bc and pre.env == cfg.env and pre.algo.head == cfg.algo.head
 
 
-@pytest.mark.parametrize("algo", ["residual", "ppo"])
+MULTIMODAL_LEARNER = {
+    "residual": ["algo.n_steps=8", "algo.minibatch_size=8", "algo.update_epochs=1"],
+    "ppo": ["algo.n_steps=8", "algo.minibatch_size=8", "algo.update_epochs=1"],
+    "filtered_bc": ["algo.round_episodes=4", "algo.bc_steps=2"],  # the train default
+}
+
+
+@pytest.mark.parametrize("algo", sorted(MULTIMODAL_LEARNER))
 def test_multimodal_fine_tuning_runs_from_an_empty_cache(tmp_path: Path, algo: str) -> None:
     """The whole train pipeline on pixels, points, text and proprioception: collect two demonstrations,
-    clone them, fine-tune (residual head or the chain) for two iterations and evaluate, in process."""
+    clone them, fine-tune (the default filtered_bc, the residual head or the chain) for two iterations and
+    evaluate, in process."""
     from diffpolicy.train import main
 
     cfg = compose(
@@ -305,9 +313,7 @@ def test_multimodal_fine_tuning_runs_from_an_empty_cache(tmp_path: Path, algo: s
             "bc.epochs=1",
             "bc.batch_size=16",
             "algo.iterations=2",
-            "algo.n_steps=8",
-            "algo.minibatch_size=8",
-            "algo.update_epochs=1",
+            *MULTIMODAL_LEARNER[algo],
             *TINY_POLICY,
             "policy.encoder.rgb_channels=[8]",
             "policy.encoder.rgb_keypoints=4",
@@ -326,5 +332,9 @@ def test_multimodal_fine_tuning_runs_from_an_empty_cache(tmp_path: Path, algo: s
     ckpt = checkpoint.load(tmp_path / "run" / "checkpoints")
     assert ckpt.extra["obs_spec"]["points"] == [64, 6] and ckpt.extra["obs_spec"]["state"] == [10]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    if algo == "filtered_bc":  # every round continues BC on the demonstrations (+ its kept episodes)
+        losses = [r["losses/bc"] for r in rows if "train/kept_windows" in r]
+        assert len(losses) == 2 and all(v == v for v in losses)
+        return
     values = [r["losses/value"] for r in rows if r.get("losses/value") is not None]
     assert len(values) == 2 and all(v == v for v in values), "every iteration updates (its critic at least)"
