@@ -29,6 +29,7 @@ BENCHMARKS = {
     "scaling": "PPO environment steps per second with 1 and 2 processes",
     "serve": "gRPC action server latency and throughput",
     "encoders": "encoder forward+backward samples/s per modality at the BC batch size",
+    "bc_step": "one BC optimiser step of the state task's policy at several batch sizes",
     "demos_curve": "held-out BC success against the number of demonstrations (and fine-tuned policies on it)",
 }
 """Benchmark names and what each measures."""

@@ -233,3 +233,16 @@ def test_chunk_exploration_keeps_the_executed_noisy_actions(init_ckpt: Path, mon
     assert np.abs(offset[inside]).max() > 0.01, "no noise was added"
     held = np.where(inside, offset, np.nan)
     assert np.allclose(np.nanmax(held, 0), np.nanmin(held, 0), atol=1e-6), "noise changes within a chunk"
+
+
+def test_bc_step_benchmark_reports_each_batch_against_the_reference() -> None:
+    """python -m diffpolicy.bench bc_step: every batch timed, the reference's ratio 1, bad options refused."""
+    import pytest
+
+    from diffpolicy.benchmarks.bc_step import run
+
+    out = run(repeats=1, warmup=0, batches=[8], reference=16)
+    assert set(out["batches"]) == {"8", "16"} and out["batches"]["16"]["ratio_to_reference"] == 1.0
+    assert all(r["s_per_step"] > 0 and r["ms_per_window"] > 0 for r in out["batches"].values())
+    with pytest.raises(ValueError, match="bc_step takes"):
+        run(repeats=1, batch=8)

@@ -1,0 +1,88 @@
+"""One behaviour-cloning optimiser step of the state task's policy, at several batch sizes.
+
+``run()`` builds ``policy=unet_small`` (16-step chunks) for MujocoPick's state observation (34,) and 7-D
+actions and times, interleaved in one process so that every batch size sees the same machine load, the step
+that BC and ``algo=filtered_bc``'s continuation repeat: the DDPM loss on a batch of windows, backward,
+gradient clipping, AdamW and the EMA update. This is the part that binds the default ``train`` run (78 % of
+its wall time at batch 128), so its cost per batch size says what ``algo.batch_size`` buys.
+
+Reported per batch: median seconds per step over ``repeats`` rounds (each round times every batch once, in
+turn, after ``warmup`` untimed rounds), seconds per window, and ``ratio_to_reference``: the step's seconds
+over those of ``reference`` (128, ``bc.batch_size`` of the state task) measured in the same rounds.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from diffpolicy.bc import BC_WEIGHT_DECAY, ema_update
+from diffpolicy.config import PolicyConfig
+from diffpolicy.policy_io import build_policy
+
+STATE_DIM, ACTION_DIM, HORIZON = 34, 7, 16
+"""MujocoPick-v0's state observation, its action and the default chunk length."""
+
+
+def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
+    """Seconds per BC step at each batch size (kwargs: ``batches`` ([32, 64, 128]), ``reference`` (128),
+    ``warmup`` (2), ``horizon`` (16))."""
+    batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
+    reference = int(kwargs.pop("reference", 128))
+    warmup = int(kwargs.pop("warmup", 2))
+    horizon = int(kwargs.pop("horizon", HORIZON))
+    if kwargs:
+        raise ValueError(f"bc_step takes batches, reference, warmup and horizon; got {sorted(kwargs)}")
+    if reference not in batches:
+        batches.append(reference)
+    torch.manual_seed(0)
+    cfg = PolicyConfig(horizon=horizon)
+    policy = build_policy(cfg, {"state": [STATE_DIM]}, ACTION_DIM, text_backend="hash")
+    g = torch.Generator().manual_seed(0)
+    policy.fit_normalizers(
+        actions=torch.rand(512, ACTION_DIM, generator=g) * 2 - 1,
+        state=torch.randn(512, STATE_DIM, generator=g),
+    )
+    policy.train()
+    ema = copy.deepcopy(policy).eval()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=3e-4, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
+    data = {
+        b: (
+            {"state": torch.randn(b, 1, STATE_DIM, generator=g)},
+            torch.rand(b, horizon, ACTION_DIM, generator=g) * 2 - 1,
+        )
+        for b in batches
+    }
+
+    def step(b: int) -> float:
+        obs, actions = data[b]
+        start = time.perf_counter()
+        loss = policy.bc_loss(obs, actions, generator=g)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 10.0)
+        optim.step()
+        ema_update(ema, policy, 0.995)
+        return time.perf_counter() - start
+
+    times: dict[int, list[float]] = {b: [] for b in batches}
+    for r in range(warmup + repeats):
+        for b in batches:
+            t = step(b)
+            if r >= warmup:
+                times[b].append(t)
+    ref = statistics.median(times[reference])
+    rows = {
+        str(b): {
+            "s_per_step": round(statistics.median(times[b]), 4),
+            "ms_per_window": round(1000 * statistics.median(times[b]) / b, 3),
+            "ratio_to_reference": round(statistics.median(times[b]) / ref, 3),
+        }
+        for b in sorted(batches)
+    }
+    return {"policy": cfg.name, "horizon": horizon, "reference_batch": reference, "batches": rows}
