@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.config import BCConfig, EnvConfig, PolicyConfig
+from diffpolicy.config import BCConfig, EncoderConfig, EnvConfig, PolicyConfig
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.demos import demonstrations, demonstrations_key
 from diffpolicy.device import Runtime
 from diffpolicy.diffusion.schedule import ddpm_loss
 from diffpolicy.logger import Logger
-from diffpolicy.policy_io import POLICY_FIELDS_ADDED, build_policy, save_policy
+from diffpolicy.policy_io import ENCODER_FIELDS_ADDED, POLICY_FIELDS_ADDED, build_policy, save_policy
 
 BC_WEIGHT_DECAY = 1e-6
 """AdamW weight decay of behaviour cloning."""
@@ -293,6 +293,12 @@ def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, bc_cfg: BCConfig, seed:
         for k, v in dataclasses.asdict(policy_cfg).items()
         if k not in POLICY_FIELDS_IGNORED and not (k in POLICY_FIELDS_ADDED and v == defaults[k])
     }  # fields added later stay out of the key at their defaults, so caches written before them stay valid
+    encoder_defaults = dataclasses.asdict(EncoderConfig())
+    policy["encoder"] = {
+        k: v
+        for k, v in policy["encoder"].items()
+        if not (k in ENCODER_FIELDS_ADDED and v == encoder_defaults[k])
+    }
     bc = {
         old: getattr(bc_cfg, new) for old, new in BC_FIELDS.items() if not (bc_cfg.demos and new == "n_demos")
     }

@@ -138,6 +138,9 @@ class EncoderConfig:
     """Encode the coloured, voxelised point cloud (ignored when the environment has no ``points``)."""
     use_text: bool = True
     """Encode the instruction with the frozen MiniLM (ignored when the environment has no ``instruction``)."""
+    blank_text: bool = False
+    """Ablation: the encoder reads every instruction as the empty string, in training and when acting (the
+    architecture stays, the named cube is no longer given): what the text is for."""
     use_state: bool | None = None
     """Encode the proprioceptive ``state`` (its normaliser is fitted either way: the residual head reads it).
     Null: derived from ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`): true for state, false for multimodal,

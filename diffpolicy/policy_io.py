@@ -31,6 +31,8 @@ from diffpolicy.config import ENV_RUNTIME_FIELDS, EncoderConfig, EnvConfig, Poli
 POLICY_FIELDS_ADDED = ("ft_fraction", "denoiser", "mlp_dims")
 """PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults (and at
 their defaults they stay out of the BC cache key, :func:`diffpolicy.bc.bc_key`, so older caches stay valid)."""
+ENCODER_FIELDS_ADDED = ("blank_text",)
+"""EncoderConfig fields newer than some checkpoints, treated as :data:`POLICY_FIELDS_ADDED` are."""
 
 
 def save_policy(
@@ -152,7 +154,12 @@ def _dataclass_from(
     values = dict(raw)
     if cls is PolicyConfig and "encoder" in raw:
         values["encoder"] = _dataclass_from(
-            EncoderConfig, raw["encoder"], f"{what}.encoder", path, allow_missing=allow_missing
+            EncoderConfig,
+            raw["encoder"],
+            f"{what}.encoder",
+            path,
+            allow_missing=allow_missing,
+            defaultable=ENCODER_FIELDS_ADDED,
         )
     try:
         return cls(**values)

@@ -158,6 +158,22 @@ def test_text_changes_condition():
     assert not torch.allclose(c1, c2, atol=1e-5)
 
 
+def test_blank_text_reads_every_instruction_as_empty():
+    """policy.encoder.blank_text (the text ablation): the instruction no longer changes the condition, which
+    is the same encoder's condition for ''."""
+    import dataclasses
+
+    enc = ObservationEncoder(ENC, SPEC, n_obs_steps=1, cond_dim=20, text_backend="hash")
+    blank = ObservationEncoder(
+        dataclasses.replace(ENC, blank_text=True), SPEC, n_obs_steps=1, cond_dim=20, text_backend="hash"
+    )
+    blank.load_state_dict(enc.state_dict())
+    o = obs()
+    other = dict(o, instruction=["pick the blue cube", "pick the red cube"])
+    torch.testing.assert_close(blank(o), blank(other))
+    torch.testing.assert_close(blank(o), enc(dict(o, instruction=["", ""])))
+
+
 def test_text_film_steers_the_rgb_features():
     """The instruction modulates the RGB feature maps: identity at initialisation, gradient into the FiLM
     layers, and once they are non-zero the RGB tokens depend on the text; the encoder refuses to run

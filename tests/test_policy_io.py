@@ -136,3 +136,19 @@ def test_corrupt_or_missing_checkpoint(tmp_path):
     (path / META).write_text("{not json")
     with pytest.raises(CheckpointError, match="corrupt"):
         load_policy(tmp_path / "c")
+
+
+def test_a_checkpoint_written_before_blank_text_loads_with_its_default(tmp_path):
+    """policy.encoder.blank_text is newer than some checkpoints: one that lacks it loads (False); setting it
+    changes the BC cache key."""
+    from diffpolicy.bc import bc_key
+    from diffpolicy.config import BCConfig
+
+    p, cfg = trained()
+    path = save_policy(tmp_path / "c", 1, p, env_cfg=ENV, policy_cfg=cfg)
+    _edit_meta(path, lambda m: m["config"]["policy"]["encoder"].pop("blank_text"))
+    q, _, _ = load_policy(path)
+    assert q.cfg.encoder.blank_text is False
+    bc = BCConfig(epochs=1, batch_size=8, n_demos=1)
+    blank = dataclasses.replace(cfg, encoder=dataclasses.replace(cfg.encoder, blank_text=True))
+    assert bc_key(ENV, blank, bc, 0) != bc_key(ENV, cfg, bc, 0)

@@ -112,6 +112,8 @@ class ObservationEncoder(nn.Module):
         self.modalities: list[str] = []
         self.encoders = nn.ModuleDict()
         self.use_text = "instruction" in obs_spec and cfg.use_text
+        self.blank_text = cfg.blank_text
+        """Every instruction is read as '' (the text ablation)."""
         film = self.use_text and cfg.text_film
         if "rgb" in obs_spec and cfg.use_rgb:
             self.encoders["rgb"] = RGBEncoder(
@@ -174,6 +176,8 @@ class ObservationEncoder(nn.Module):
         if self.use_text:
             instr = obs["instruction"]
             instr = [str(s) for s in (instr.tolist() if isinstance(instr, np.ndarray) else instr)]
+            if self.blank_text:
+                instr = [""] * len(instr)
             q = self.text(instr)  # (B, 1, D)
         tokens = []
         for k in self.modalities:
