@@ -56,7 +56,7 @@ test-all: $(STAMP)  ## also the slow training checks
 
 bench: $(STAMP)  ## every benchmark, one JSON line each, into runs/bench.jsonl
 	@mkdir -p runs
-	@for b in env gae sampler bimodal ppo_update scaling serve encoders; do \
+	@for b in env gae sampler bimodal ppo_update scaling serve encoders bc_step; do \
 		$(PYTHON) -m diffpolicy.bench $$b | tail -n 1 | tee -a runs/bench.jsonl; \
 	done
 
