@@ -48,21 +48,29 @@ key, and given their defaults when a checkpoint written before they existed lack
 
 
 OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "state": {"policy.encoder.use_state": True, "bc.epochs": 80, "bc.batch_size": 128, "bc.n_demos": 40},
+    "state": {
+        "policy.encoder.use_state": True,
+        "bc.epochs": 80,
+        "bc.batch_size": 128,
+        "bc.n_demos": 40,
+        "bc.target_aux_weight": 0.0,
+    },
     "multimodal": {
         "policy.encoder.use_state": False,
         "bc.epochs": 40,
         "bc.batch_size": 64,
         "bc.n_demos": 100,
+        "bc.target_aux_weight": 1.0,
     },
 }
 """``env.obs_mode`` -> the values its null fields are derived to, the best BC recipe measured on mujoco_pick
 (docs/experiments.md). state: 80 epochs of batch 128 with the state token (2026-11-30, the imprecise
 demonstrator: 0.89-0.90 held-out against 0.73 at 40 epochs) on 40 precise demonstrations, the default task,
 whose BC (0.795) algo=filtered_bc lifts to 0.98 (2026-12-01, the pick task's figure). multimodal: 100
-demonstrations, no proprioception token, 40 epochs of batch 64 (2026-12-01, run D: 0.71 held-out over 200
-seeds, 4360 steps, 22 min on 2 cores; 0.025 with the state token). A component built without an environment
-(``EncoderConfig()``, ``BCConfig()`` in Python) takes the state values."""
+demonstrations, no proprioception token, 40 epochs of batch 64 and the auxiliary target loss (2026-12-01
+late: 0.99 held-out over 200 seeds, 4360 steps; 0.71 without the auxiliary loss, 0.025 with the state token).
+A component built without an environment (``EncoderConfig()``, ``BCConfig()`` in Python) takes the state
+values."""
 
 
 def _derive_state_defaults(cfg: Any, prefix: str) -> None:
@@ -345,11 +353,13 @@ class BCConfig:
     """(step, noise) draws of the denoising loss per encoded observation: the encoders run once per window
     and the denoiser on ``noise_draws`` noised copies of its chunk (lower-variance encoder gradients, at the
     denoiser's cost only)."""
-    target_aux_weight: float = 0.0
+    target_aux_weight: float | None = None
     """Weight of an auxiliary loss during BC: an MLP head on the condition predicts the named object's
     position (the demonstrations' privileged ``target_pos``, scaled to the encoder's workspace box; mean
     squared error), so the encoders must locate what the instruction names. Training-time only: the head is
-    not part of the saved policy. 0 disables; needs demonstrations that record ``target_pos`` (MujocoPick)."""
+    not part of the saved policy. 0 disables; needs demonstrations that record ``target_pos`` (MujocoPick).
+    Null: derived from ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`): 0 for state (the state holds the
+    target's position), 1 for multimodal (0.99 held-out against 0.71 without, docs/experiments.md 2026-12-01 late)."""
     obs_keys: dict[str, list[str]] = field(default_factory=dict)
     """``bc.demos``: environment observation key -> the dataset's keys whose per-step values, flattened and
     concatenated in this order, form it (``+bc.obs_keys.state=[qpos,qvel]``); a key not named here is read
@@ -722,16 +732,21 @@ class LogConfig:
         _positive("log.every", self.every)
 
 
-def derive_from_obs_mode(env: EnvConfig, policy: PolicyConfig, bc: BCConfig) -> tuple[PolicyConfig, BCConfig]:
+def derive_from_obs_mode(
+    env: EnvConfig, policy: PolicyConfig, bc: BCConfig, demos: str = ""
+) -> tuple[PolicyConfig, BCConfig]:
     """``(policy, bc)`` with the fields that were left null (:data:`OBS_MODE_DEFAULTS`) derived from
     ``env.obs_mode``; a value set on the command line, in a YAML or in Python stays. Called by the configs
     that hold an environment and a BC (``train``, ``pretrain``), so ``env.obs_mode=multimodal`` alone gives
-    the measured multimodal recipe."""
+    the measured multimodal recipe. With demonstrations from elsewhere (``bc.demos``, or ``demos``) the
+    auxiliary target loss is derived off: only the scripted expert records its privileged label."""
     values = OBS_MODE_DEFAULTS[env.obs_mode]
     encoder = {n: values[f"policy.encoder.{n}"] for n in getattr(policy.encoder, "_derived", ())}
     if encoder:
         policy = dataclasses.replace(policy, encoder=dataclasses.replace(policy.encoder, **encoder))
     changes = {n: values[f"bc.{n}"] for n in getattr(bc, "_derived", ())}
+    if (bc.demos or demos) and "target_aux_weight" in changes:
+        changes["target_aux_weight"] = 0.0  # a dataset from elsewhere has no privileged target label
     return policy, dataclasses.replace(bc, **changes) if changes else bc
 
 
@@ -838,7 +853,7 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.env, EnvConfig):  # first: the replace below would make the derived values set ones
-            self.policy, self.bc = derive_from_obs_mode(self.env, self.policy, self.bc)
+            self.policy, self.bc = derive_from_obs_mode(self.env, self.policy, self.bc, self.demos)
         self.cache_dir = self.cache_dir or default_cache_dir()
         _positive("seed", self.seed, allow_zero=True)
         _positive("eval_episodes", self.eval_episodes, allow_zero=True)
@@ -1034,7 +1049,7 @@ POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "ft_steps")
 DERIVED: dict[type, tuple[str, ...]] = {
     PolicyConfig: POLICY_DERIVED,
     EncoderConfig: ("use_state",),
-    BCConfig: ("epochs", "batch_size", "n_demos"),
+    BCConfig: ("epochs", "batch_size", "n_demos", "target_aux_weight"),
 }
 """Fields whose null default is derived when the config is built: from the component's own fields, or from
 ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`, :func:`derive_from_obs_mode`)."""

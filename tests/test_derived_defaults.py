@@ -40,7 +40,12 @@ def test_defaults_are_derived_from_what_they_depend_on(compose) -> None:
 
 
 STATE_RECIPE = ["policy.encoder.use_state=true", "bc.epochs=80", "bc.batch_size=128"]
-MULTIMODAL_RECIPE = ["policy.encoder.use_state=false", "bc.epochs=40", "bc.batch_size=64"]
+MULTIMODAL_RECIPE = [
+    "policy.encoder.use_state=false",
+    "bc.epochs=40",
+    "bc.batch_size=64",
+    "bc.target_aux_weight=1.0",
+]
 """The BC recipes of ``C.OBS_MODE_DEFAULTS`` as explicit overrides (docs/experiments.md: state 0.89-0.90,
 multimodal 0.71 held-out)."""
 
@@ -93,6 +98,15 @@ def test_python_configs_derive_the_same_way() -> None:
         state = cls(env=C.EnvConfig(obs_mode="state"), policy=C.PolicyConfig())
         assert (state.policy.encoder.use_state, state.bc.epochs, state.bc.batch_size) == (True, 80, 128)
     assert C.PretrainConfig(env=C.EnvConfig(obs_mode="multimodal"), demos="d.hdf5").bc.epochs == 40
+    # the auxiliary target loss needs the expert's privileged label: on by default for its multimodal
+    # demonstrations, off for a dataset from elsewhere (which has none) and for the state task
+    assert C.TrainConfig(env=C.EnvConfig(obs_mode="multimodal")).bc.target_aux_weight == 1.0
+    assert (
+        C.PretrainConfig(env=C.EnvConfig(obs_mode="multimodal"), demos="d.hdf5").bc.target_aux_weight == 0.0
+    )
+    assert C.TrainConfig(env=C.EnvConfig(obs_mode="state")).bc.target_aux_weight == 0.0
+    kept = C.TrainConfig(env=C.EnvConfig(obs_mode="multimodal"), bc=C.BCConfig(target_aux_weight=0.0))
+    assert kept.bc.target_aux_weight == 0.0
 
 
 def test_a_fraction_of_the_chain_follows_ddim_steps(compose) -> None:
