@@ -42,7 +42,7 @@ def test_defaults_are_derived_from_what_they_depend_on(compose) -> None:
 STATE_RECIPE = ["policy.encoder.use_state=true", "bc.epochs=80", "bc.batch_size=128"]
 MULTIMODAL_RECIPE = [
     "policy.encoder.use_state=false",
-    "bc.epochs=40",
+    "bc.epochs=18",
     "bc.batch_size=64",
     "bc.target_aux_weight=1.0",
 ]
@@ -69,12 +69,12 @@ def test_state_defaults_keep_the_bc_cache_key(name: str, overrides: list, compos
 def test_multimodal_alone_gives_its_measured_recipe_and_set_values_win(name: str, compose) -> None:
     mm = ["env.obs_mode=multimodal"]
     cfg = compose(name, mm)
-    assert (cfg.policy.encoder.use_state, cfg.bc.epochs, cfg.bc.batch_size) == (False, 40, 64)
+    assert (cfg.policy.encoder.use_state, cfg.bc.epochs, cfg.bc.batch_size) == (False, 18, 64)
     assert _key(cfg) == _key(compose(name, [*mm, *MULTIMODAL_RECIPE]))
     for override, expected in [
         ("bc.epochs=80", (False, 80, 64)),
-        ("bc.batch_size=128", (False, 40, 128)),
-        ("policy.encoder.use_state=true", (True, 40, 64)),
+        ("bc.batch_size=128", (False, 18, 128)),
+        ("policy.encoder.use_state=true", (True, 18, 64)),
     ]:
         cfg = compose(name, [*mm, override])
         assert (cfg.policy.encoder.use_state, cfg.bc.epochs, cfg.bc.batch_size) == expected, override
@@ -97,7 +97,7 @@ def test_python_configs_derive_the_same_way() -> None:
         assert (mm.policy.encoder.use_state, mm.bc.epochs, mm.bc.batch_size) == (False, 3, 64)
         state = cls(env=C.EnvConfig(obs_mode="state"), policy=C.PolicyConfig())
         assert (state.policy.encoder.use_state, state.bc.epochs, state.bc.batch_size) == (True, 80, 128)
-    assert C.PretrainConfig(env=C.EnvConfig(obs_mode="multimodal"), demos="d.hdf5").bc.epochs == 40
+    assert C.PretrainConfig(env=C.EnvConfig(obs_mode="multimodal"), demos="d.hdf5").bc.epochs == 18
     # the auxiliary target loss needs the expert's privileged label: on by default for its multimodal
     # demonstrations, off for a dataset from elsewhere (which has none) and for the state task
     assert C.TrainConfig(env=C.EnvConfig(obs_mode="multimodal")).bc.target_aux_weight == 1.0
