@@ -76,6 +76,15 @@ def test_hopper_demos_keep_every_episode(tmp_path: Path) -> None:
     assert read_meta(tmp_path / "d")["success"] == [None, None]
 
 
+def _summary_of(cmd: list[str]) -> dict:
+    """Run an entry point on one thread; its summary (the last stdout line), after a zero exit."""
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 TINY_LEARNER = {
     "dppo_gym": ["algo.n_steps=8", "algo.minibatch_size=16"],
     # Hopper has no success: algo.keep=auto imitates each round's best-return quarter
@@ -93,11 +102,7 @@ def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
            "policy.mlp_dims=[32,32]", "algo.iterations=2", *TINY_LEARNER[algo],
            "eval_episodes=2", "log.progress=false", "log.tensorboard=false",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = _summary_of(cmd)
     for key in ("bc_return", "ppo_return", "bc_return_ci", "ppo_return_ci", "eval_episodes", "env_steps"):
         assert summary[key] is not None, key
     for key in ("bc_success_rate", "ppo_success_rate", "bc_ci", "ppo_ci", "failures"):
@@ -127,11 +132,7 @@ def test_tiny_hopper_pretrain_logs_returns_not_success(tmp_path: Path) -> None:
            "env.max_episode_steps=50", "bc.n_demos=2", "bc.epochs=1", "policy.mlp_dims=[16,16]",
            "eval_episodes=2", "log.progress=false", "log.tensorboard=false",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = _summary_of(cmd)
     assert summary["success_rate"] is None and summary["mean_return"] > 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert not any("eval/success_rate" in r for r in rows)
