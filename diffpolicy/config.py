@@ -238,6 +238,10 @@ class PolicyConfig:
     """To: observation history steps."""
     n_action_steps: int | None = None
     """Te: actions of a chunk executed before replanning (null: 8, or Ta when the chunk is shorter)."""
+    unexecuted_weight: float = 1.0
+    """Weight of the BC loss on the chunk's steps outside the executed window [To - 1, To - 1 + Te),
+    relative to the executed ones (1: the plain mean over all Ta steps; 0: only executed steps are
+    learned). The loss is divided by the weights' sum, so its scale stays that of a mean."""
     train_timesteps: int = 100
     """Diffusion steps of the DDPM training schedule."""
     ddim_steps: int | None = None
@@ -300,6 +304,7 @@ class PolicyConfig:
             raise ValueError(
                 f"policy.n_action_steps={self.n_action_steps} must lie in [1, horizon={self.horizon}]"
             )
+        _unit("policy.unexecuted_weight", self.unexecuted_weight)
         _positive("policy.train_timesteps", self.train_timesteps)
         if self.ddim_steps is None:
             self.ddim_steps = min(10, self.train_timesteps)

@@ -28,7 +28,7 @@ from diffpolicy import checkpoint
 from diffpolicy.checkpoint import Checkpoint, CheckpointError
 from diffpolicy.config import ENV_RUNTIME_FIELDS, EncoderConfig, EnvConfig, PolicyConfig
 
-POLICY_FIELDS_ADDED = ("ft_fraction", "denoiser", "mlp_dims")
+POLICY_FIELDS_ADDED = ("ft_fraction", "denoiser", "mlp_dims", "unexecuted_weight")
 """PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults (and at
 their defaults they stay out of the BC cache key, :func:`diffpolicy.bc.bc_key`, so older caches stay valid)."""
 ENCODER_FIELDS_ADDED = ("blank_text",)

@@ -17,6 +17,7 @@ from diffpolicy.data.windows import DemoWindows
 from diffpolicy.demos import collect_demos
 from diffpolicy.device import Runtime
 from diffpolicy.logger import Logger, read_metrics
+from diffpolicy.policies import normal_log_prob
 from diffpolicy.policy_io import build_policy, load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +148,49 @@ def test_noise_draws_average_the_denoising_loss_over_repeated_draws(reach_demos)
         policy.bc_loss(obs, actions, draws=0)
 
 
+@pytest.mark.parametrize("kind", ["diffusion", "gaussian"])
+def test_unexecuted_weight_weighs_the_chunk_steps_outside_the_executed_window(reach_demos, kind):
+    """policy.unexecuted_weight=w: the BC loss is the per-step mean weighted 1 on [To-1, To-1+Te) and w
+    elsewhere, against a reference from the unweighted per-element losses of the same draw; w=0 learns only
+    the executed steps."""
+    data = DemoWindows(reach_demos, 1, 16)
+    obs, actions = data.batch(torch.arange(6))
+
+    def loss(weight, acts, draw=4):
+        cfg = dataclasses.replace(SMALL, kind=kind, unexecuted_weight=weight)
+        torch.manual_seed(0)
+        policy = build_policy(cfg, data.obs_spec, data.action_dim)
+        policy.fit_normalizers(actions=data.data["action"], state=data.data["state"])
+        return policy, policy.bc_loss(obs, acts, generator=torch.Generator().manual_seed(draw))
+
+    plain_policy, plain = loss(1.0, actions)
+    assert plain_policy.chunk_loss_weights() is None
+    policy, got = loss(0.25, actions)
+    w = policy.chunk_loss_weights()
+    assert w.tolist() == [1.0] * 8 + [0.25] * 8  # To = 1, Te = 8 of Ta = 16
+    # reference: the unweighted per-element losses of the same draw, then the weighted per-step mean
+    if kind == "gaussian":
+        mean, std = policy.mean_std(policy.encode(obs))
+        x = policy.action_normalizer.normalize(actions)
+        element = -normal_log_prob(x, mean, std)
+    else:
+        gen = torch.Generator().manual_seed(4)
+        t = torch.randint(0, policy.schedule.train_timesteps, (6,), generator=gen)
+        x0 = policy.action_normalizer.normalize(actions)
+        noise = torch.randn(x0.shape, generator=gen)
+        a = policy.schedule.alphas_cumprod[t].view(6, 1, 1)
+        element = (
+            policy.denoiser(a.sqrt() * x0 + (1 - a).sqrt() * noise, t, policy.encode(obs)) - noise
+        ) ** 2
+    steps = element.mean(dim=(0, 2))
+    torch.testing.assert_close(got, (steps * w).sum() / w.sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain, element.mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss(0.0, actions)[1], steps[:8].mean(), rtol=1e-5, atol=1e-6)  # executed only
+    assert got.item() != pytest.approx(plain.item(), rel=1e-4)
+    with pytest.raises(ValueError, match="policy.unexecuted_weight"):
+        dataclasses.replace(SMALL, unexecuted_weight=1.5)
+
+
 def test_added_bc_fields_enter_the_cache_key_only_when_set():
     from diffpolicy.bc import bc_key
 
@@ -155,6 +199,8 @@ def test_added_bc_fields_enter_the_cache_key_only_when_set():
     assert bc_key(REACH, SMALL, dataclasses.replace(base, noise_draws=1, target_aux_weight=0.0), 0) == key
     assert bc_key(REACH, SMALL, dataclasses.replace(base, noise_draws=2), 0) != key
     assert bc_key(REACH, SMALL, dataclasses.replace(base, target_aux_weight=0.1), 0) != key
+    assert bc_key(REACH, dataclasses.replace(SMALL, unexecuted_weight=1.0), base, 0) == key
+    assert bc_key(REACH, dataclasses.replace(SMALL, unexecuted_weight=0.5), base, 0) != key
 
 
 def test_pretrained_checkpoint_is_cached(tmp_path, monkeypatch):

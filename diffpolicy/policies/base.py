@@ -96,6 +96,16 @@ class PolicyBase(nn.Module):
         start = self.n_obs_steps - 1
         return slice(start, start + self.n_action_steps)
 
+    def chunk_loss_weights(self) -> torch.Tensor | None:
+        """(Ta,) weights of the BC loss along the chunk: 1 on :attr:`exec_slice`, ``policy.unexecuted_weight``
+        elsewhere; None when that is 1 (the plain mean)."""
+        w_out = float(getattr(self.cfg, "unexecuted_weight", 1.0))
+        if w_out == 1.0:
+            return None
+        w = torch.full((self.horizon,), w_out, device=self.device)
+        w[self.exec_slice] = 1.0
+        return w
+
     # --------------------------------------------------------------------------------------- encoding
     def encode(self, obs: Obs, *, augment: bool | None = None) -> torch.Tensor:
         """Observation dict -> cond (B, cond_dim); random-shift augmentation defaults to training mode."""
