@@ -30,7 +30,13 @@ from diffpolicy.demos import demonstrations, demonstrations_key
 from diffpolicy.device import Runtime
 from diffpolicy.diffusion.schedule import ddpm_loss
 from diffpolicy.logger import Logger
-from diffpolicy.policy_io import ENCODER_FIELDS_ADDED, POLICY_FIELDS_ADDED, build_policy, save_policy
+from diffpolicy.policy_io import (
+    ENCODER_FIELDS_ADDED,
+    POLICY_FIELDS_ADDED,
+    POLICY_FIELDS_LEGACY,
+    build_policy,
+    save_policy,
+)
 
 BC_WEIGHT_DECAY = 1e-6
 """AdamW weight decay of behaviour cloning."""
@@ -291,8 +297,9 @@ def bc_key(env_cfg: EnvConfig, policy_cfg: PolicyConfig, bc_cfg: BCConfig, seed:
     policy = {
         k: v
         for k, v in dataclasses.asdict(policy_cfg).items()
-        if k not in POLICY_FIELDS_IGNORED and not (k in POLICY_FIELDS_ADDED and v == defaults[k])
-    }  # fields added later stay out of the key at their defaults, so caches written before them stay valid
+        if k not in POLICY_FIELDS_IGNORED
+        and not (k in POLICY_FIELDS_ADDED and v == POLICY_FIELDS_LEGACY.get(k, defaults[k]))
+    }  # fields added later stay out of the key at their old behaviour, so caches written before stay valid
     encoder_defaults = dataclasses.asdict(EncoderConfig())
     policy["encoder"] = {
         k: v

@@ -238,10 +238,13 @@ class PolicyConfig:
     """To: observation history steps."""
     n_action_steps: int | None = None
     """Te: actions of a chunk executed before replanning (null: 8, or Ta when the chunk is shorter)."""
-    unexecuted_weight: float = 1.0
+    unexecuted_weight: float | None = None
     """Weight of the BC loss on the chunk's steps outside the executed window [To - 1, To - 1 + Te),
     relative to the executed ones (1: the plain mean over all Ta steps; 0: only executed steps are
-    learned). The loss is divided by the weights' sum, so its scale stays that of a mean."""
+    learned); the loss is divided by the weights' sum, so its scale stays that of a mean. Null: derived so
+    that the executed steps carry half the loss, Te / (Ta - Te) rounded to 3 decimals, at most 1 (1 for the
+    16-step chunks, 0.143 for 64-step ones: their BC 0.585 -> 0.87 held-out, docs/experiments.md 2026-12-01
+    night)."""
     train_timesteps: int = 100
     """Diffusion steps of the DDPM training schedule."""
     ddim_steps: int | None = None
@@ -303,6 +306,11 @@ class PolicyConfig:
         if not 0 < self.n_action_steps <= self.horizon:
             raise ValueError(
                 f"policy.n_action_steps={self.n_action_steps} must lie in [1, horizon={self.horizon}]"
+            )
+        if self.unexecuted_weight is None:  # derived: the executed steps carry half of the loss
+            rest = self.horizon - self.n_action_steps
+            self.unexecuted_weight = (
+                1.0 if rest <= self.n_action_steps else round(self.n_action_steps / rest, 3)
             )
         _unit("policy.unexecuted_weight", self.unexecuted_weight)
         _positive("policy.train_timesteps", self.train_timesteps)
@@ -1051,7 +1059,7 @@ PRIMARY: dict[str, type] = {
 """Primary config per entry point (``conf/<name>.yaml``) and its dataclass."""
 
 
-POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "ft_steps")
+POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "ft_steps", "unexecuted_weight")
 """PolicyConfig fields whose null default :meth:`PolicyConfig.__post_init__` derives from other fields."""
 DERIVED: dict[type, tuple[str, ...]] = {
     PolicyConfig: POLICY_DERIVED,

@@ -31,6 +31,9 @@ from diffpolicy.config import ENV_RUNTIME_FIELDS, EncoderConfig, EnvConfig, Poli
 POLICY_FIELDS_ADDED = ("ft_fraction", "denoiser", "mlp_dims", "unexecuted_weight")
 """PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults (and at
 their defaults they stay out of the BC cache key, :func:`diffpolicy.bc.bc_key`, so older caches stay valid)."""
+POLICY_FIELDS_LEGACY: dict[str, Any] = {"unexecuted_weight": 1.0}
+"""Fields of :data:`POLICY_FIELDS_ADDED` whose derived value can differ from how checkpoints written before
+them behaved: such a checkpoint gets this value, and at this value the field stays out of the BC cache key."""
 ENCODER_FIELDS_ADDED = ("blank_text",)
 """EncoderConfig fields newer than some checkpoints, treated as :data:`POLICY_FIELDS_ADDED` are."""
 
@@ -172,9 +175,12 @@ def policy_config_from(ckpt: Checkpoint, *, allow_missing: bool = False) -> Poli
     checkpoint lacks their defaults."""
     if "policy" not in ckpt.config:
         raise CheckpointError(f"checkpoint {ckpt.path} lacks config['policy'] (not a policy checkpoint?)")
+    raw = ckpt.config["policy"]
+    if isinstance(raw, dict):
+        raw = {**{k: v for k, v in POLICY_FIELDS_LEGACY.items() if k not in raw}, **raw}
     return _dataclass_from(
         PolicyConfig,
-        ckpt.config["policy"],
+        raw,
         "policy",
         ckpt.path,
         allow_missing=allow_missing,

@@ -37,6 +37,18 @@ def test_defaults_are_derived_from_what_they_depend_on(compose) -> None:
     assert compose("train", ["policy.horizon=4"]).policy.n_action_steps == 4
     assert compose("train", ["policy.down_dims=[4,12]", "policy.horizon=4"]).policy.n_groups == 4
     assert compose("train", ["policy.down_dims=[6,12]", "policy.horizon=4"]).policy.n_groups == 6
+    # the executed steps carry half of the BC loss: plain mean for 16-step chunks, 8 / 56 for 64-step ones
+    assert p.horizon == 16 and p.unexecuted_weight == 1.0
+    assert compose("train", ["policy.horizon=64"]).policy.unexecuted_weight == 0.143
+    assert compose("train", ["policy=unet_large"]).policy.unexecuted_weight == 0.143
+    assert (
+        compose("train", ["policy.horizon=64", "policy.n_action_steps=16"]).policy.unexecuted_weight == 0.333
+    )
+    assert (
+        compose("train", ["policy.horizon=64", "policy.unexecuted_weight=1.0"]).policy.unexecuted_weight
+        == 1.0
+    )
+    assert compose("train", ["env=hopper"]).policy.unexecuted_weight == 1.0  # Ta = Te = 4
 
 
 STATE_RECIPE = ["policy.encoder.use_state=true", "bc.epochs=80", "bc.batch_size=128"]
@@ -146,6 +158,27 @@ def test_a_checkpoint_without_the_newer_fields_still_loads(tmp_path: Path) -> No
     ckpt = Checkpoint(tmp_path, 0, {}, config={"env": dataclasses.asdict(C.EnvConfig()), "policy": raw})
     _, policy_cfg = configs_from(ckpt)
     assert policy_cfg.ft_fraction is None and policy_cfg.ft_steps == 4
+
+
+def test_a_checkpoint_from_before_unexecuted_weight_keeps_the_plain_loss(tmp_path: Path) -> None:
+    """A 64-step checkpoint written before ``unexecuted_weight`` existed was trained on the plain mean: it
+    loads with 1.0, not the 0.143 a new 64-step config derives, and 1.0 stays out of the BC cache key."""
+    import dataclasses
+
+    from diffpolicy.bc import bc_key
+
+    raw = dataclasses.asdict(C.PolicyConfig(horizon=64))
+    assert raw.pop("unexecuted_weight") == 0.143
+    ckpt = Checkpoint(tmp_path, 0, {}, config={"env": dataclasses.asdict(C.EnvConfig()), "policy": raw})
+    env_cfg, policy_cfg = configs_from(ckpt)
+    assert policy_cfg.unexecuted_weight == 1.0
+    bc = C.BCConfig()
+    plain = C.PolicyConfig(horizon=64, unexecuted_weight=1.0)
+    key = bc_key(env_cfg, plain, bc, 0)
+    raw["encoder"] = dataclasses.asdict(plain.encoder)
+    before = {k: v for k, v in dataclasses.asdict(plain).items() if k != "unexecuted_weight"}
+    assert before == {k: v for k, v in raw.items()}  # the same config but for the new field
+    assert key != bc_key(env_cfg, C.PolicyConfig(horizon=64), bc, 0)  # the derived 0.143 is a new BC
 
 
 @pytest.mark.parametrize("algo", ALGOS)
