@@ -149,14 +149,14 @@ def ddpm_loss(
     generator: torch.Generator | None = None,
     t: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """Epsilon-prediction DDPM loss: x0 (B, Ta, Da) normalised actions, cond (B, cond_dim) -> scalar.
 
     Draws t ~ U{0..T-1} and eps ~ N(0, I) per sample (or takes the given ``t`` (B,) and ``noise``, e.g. to
     compare conditions on the same draw), noises ``x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps`` and returns the
-    mean squared error of ``model(x_t, t, cond)`` against eps (in float32); with ``weights`` (Ta,), the
-    squared errors' mean over B and Da at each chunk step, weighted by them and divided by their sum.
+    mean squared error of ``model(x_t, t, cond)`` against eps (in float32); ``reduction="none"`` returns the
+    squared errors themselves (B, Ta, Da), for a caller that weighs the chunk's steps.
     """
     B = x0.shape[0]
     if t is None:
@@ -165,9 +165,4 @@ def ddpm_loss(
         noise = torch.randn(x0.shape, device=x0.device, dtype=x0.dtype, generator=generator)
     a = schedule.alphas_cumprod[t].view(B, 1, 1)
     x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
-    pred = model(x_t, t, cond).float()
-    if weights is None:
-        return F.mse_loss(pred, noise.float())
-    per_step = (pred - noise.float()).square().mean(dim=(0, 2))  # (Ta,)
-    w = weights.to(per_step)
-    return (per_step * w).sum() / w.sum()
+    return F.mse_loss(model(x_t, t, cond).float(), noise.float(), reduction=reduction)

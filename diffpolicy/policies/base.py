@@ -99,12 +99,19 @@ class PolicyBase(nn.Module):
     def chunk_loss_weights(self) -> torch.Tensor | None:
         """(Ta,) weights of the BC loss along the chunk: 1 on :attr:`exec_slice`, ``policy.unexecuted_weight``
         elsewhere; None when that is 1 (the plain mean)."""
-        w_out = float(getattr(self.cfg, "unexecuted_weight", 1.0))
-        if w_out == 1.0:
+        if self.cfg.unexecuted_weight == 1.0:
             return None
-        w = torch.full((self.horizon,), w_out, device=self.device)
+        w = torch.full((self.horizon,), self.cfg.unexecuted_weight, device=self.device)
         w[self.exec_slice] = 1.0
         return w
+
+    def chunk_loss(self, elements: torch.Tensor) -> torch.Tensor:
+        """Per-element BC losses (B, Ta, Da) -> scalar: their mean, each chunk step weighted by
+        :meth:`chunk_loss_weights` (divided by the weights' sum, so the scale stays that of a mean)."""
+        w = self.chunk_loss_weights()
+        if w is None:
+            return elements.mean()
+        return (elements.mean(dim=(0, 2)) * w.to(elements.dtype)).sum() / w.sum()
 
     # --------------------------------------------------------------------------------------- encoding
     def encode(self, obs: Obs, *, augment: bool | None = None) -> torch.Tensor:

@@ -244,8 +244,8 @@ class DiffusionPolicy(PolicyBase):
 
         ``draws`` > 1 encodes each observation once and averages the loss over that many (step, noise)
         draws of its chunk (the denoiser sees B * draws samples): lower-variance gradients for the encoders
-        at the denoiser's cost only. The chunk's steps are weighted by :meth:`chunk_loss_weights`. ``return_cond`` also returns the condition (B, cond_dim), for an
-        auxiliary loss on it."""
+        at the denoiser's cost only. The chunk's steps are weighted by :meth:`chunk_loss`. ``return_cond``
+        also returns the condition (B, cond_dim), for an auxiliary loss on it."""
         if draws < 1:
             raise ValueError(f"draws={draws} must be >= 1")
         cond = self.encode(obs)
@@ -253,7 +253,7 @@ class DiffusionPolicy(PolicyBase):
         c, x = (
             (cond, x0) if draws == 1 else (cond.repeat_interleave(draws, 0), x0.repeat_interleave(draws, 0))
         )
-        loss = ddpm_loss(
-            self.denoiser, x, c, self.schedule, generator=generator, weights=self.chunk_loss_weights()
+        loss = self.chunk_loss(
+            ddpm_loss(self.denoiser, x, c, self.schedule, generator=generator, reduction="none")
         )
         return (loss, cond) if return_cond else loss

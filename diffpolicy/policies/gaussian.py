@@ -96,15 +96,13 @@ class GaussianPolicy(PolicyBase):
         draws: int = 1,
         return_cond: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Negative log-likelihood of the normalised demonstration chunk (B, Ta, Da), averaged (its steps weighted
-        by :meth:`chunk_loss_weights`); scalar fp32
-        (and the condition (B, cond_dim) with ``return_cond``). The likelihood is exact: ``draws`` must be 1."""
+        """Negative log-likelihood of the normalised demonstration chunk (B, Ta, Da), averaged with its steps
+        weighted by :meth:`chunk_loss`; scalar fp32 (and the condition (B, cond_dim) with ``return_cond``).
+        The likelihood is exact: ``draws`` must be 1."""
         if draws != 1:
             raise ValueError(f"draws={draws}: the Gaussian policy's loss has no noise to draw again; use 1")
         cond = self.encode(obs)
         mean, std = self.mean_std(cond)
         x = self.action_normalizer.normalize(actions.to(self.device, torch.float32))
-        nll = -normal_log_prob(x, mean, std)  # (B, Ta, Da)
-        w = self.chunk_loss_weights()
-        loss = nll.mean() if w is None else (nll.mean(dim=(0, 2)) * w).sum() / w.sum()
+        loss = self.chunk_loss(-normal_log_prob(x, mean, std))
         return (loss, cond) if return_cond else loss
