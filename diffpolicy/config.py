@@ -30,6 +30,18 @@ def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
         raise ValueError(f"{name}={value!r} is out of range; it must be {bound}")
 
 
+def check_splits(val_seed: int, val_episodes: int, test_seed: int, test_episodes: int) -> None:
+    """ValueError when the validation and test seed ranges are negative or overlap."""
+    _positive("val_seed", val_seed, allow_zero=True)
+    _positive("val_episodes", val_episodes, allow_zero=True)
+    _positive("eval_seed", test_seed, allow_zero=True)
+    if val_episodes and test_episodes and val_seed < test_seed + test_episodes and test_seed < val_seed + val_episodes:
+        raise ValueError(
+            f"validation seeds {val_seed}..{val_seed + val_episodes - 1} overlap the test seeds "
+            f"{test_seed}..{test_seed + test_episodes - 1}; choose disjoint val_seed and eval_seed"
+        )
+
+
 def default_cache_dir() -> str:
     """Where demonstrations and BC checkpoints are cached: ``$DIFFPOLICY_CACHE``, else ``runs/cache``."""
     return os.environ.get("DIFFPOLICY_CACHE") or "runs/cache"
@@ -45,17 +57,34 @@ def _unit(name: str, value: float, *, open_low: bool = False) -> None:
 ENV_RUNTIME_FIELDS = ("num_envs", "vectorization", "workers")
 """EnvConfig fields that say how environments run, not what they hold: left out of the demonstration cache
 key, and given their defaults when a checkpoint written before they existed lacks them."""
+ENV_FIELDS_ADDED = {"task": ""}
+"""EnvConfig fields added after checkpoints and caches existed -> their default: left out of the cache keys
+while at it (so existing caches keep their keys), and given it when an older checkpoint lacks them."""
 
+VAL_SEED = 100_000
+"""First validation seed: every choice (settings, sweeps, reachability, rollback) reads episodes from here."""
+TEST_SEED = 1_000_000
+"""First test seed: the reported figure, evaluated once at the end; disjoint from the demonstrations (0, 1,
+...), validation (100 000 + i) and training rollouts (10 000 000 and above). Figures reported before the split
+(docs/experiments.md, before 2026-12-02) were measured on 100 000 + i, the seeds settings were chosen on."""
+
+
+PICK_WORKSPACE = ([-0.1, -0.45, -0.05], [0.8, 0.45, 0.6])
+"""MujocoPick's point workspace (robot base frame, m): the corners point positions are scaled from."""
 
 OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "state": {
         "policy.encoder.use_state": True,
+        "policy.encoder.workspace_low": PICK_WORKSPACE[0],
+        "policy.encoder.workspace_high": PICK_WORKSPACE[1],
         "bc.epochs": 80,
         "bc.batch_size": 128,
         "bc.n_demos": 40,
         "bc.target_aux_weight": 0.0,
     },
     "multimodal": {
+        "policy.encoder.workspace_low": PICK_WORKSPACE[0],
+        "policy.encoder.workspace_high": PICK_WORKSPACE[1],
         "policy.encoder.use_state": False,
         "bc.epochs": 18,
         "bc.batch_size": 64,
@@ -73,6 +102,23 @@ late: 1.00 held-out over 200 seeds in 1962 steps, 26 min on a slow 2-core machin
 A component built without an environment (``EncoderConfig()``, ``BCConfig()`` in Python) takes the state
 values."""
 
+ENV_DEFAULTS: dict[str, dict[str, Any]] = {
+    "metaworld": {
+        "policy.encoder.use_state": True,
+        "policy.encoder.workspace_low": [-0.7, 0.2, 0.0],
+        "policy.encoder.workspace_high": [0.7, 1.2, 0.7],
+        "bc.epochs": 100,
+        "bc.batch_size": 64,
+        "bc.n_demos": 10,
+        "bc.target_aux_weight": 0.0,
+    },
+}
+"""``env.name`` -> derived values that replace :data:`OBS_MODE_DEFAULTS`' for that environment, in either obs
+mode. metaworld, the same for all 50 tasks: DP3's 10 demonstrations; the proprioception token (hand and finger
+pads only, DP3's ``agent_pos``: no object pose); the workspace is the env's point crop (world frame,
+``diffpolicy_envs.meta_world.POINT_BOX_*``); 100 epochs of batch 64 (~1,600-2,400 steps on 10 demonstrations
+of 100-150 steps); no auxiliary target loss (Meta-World's expert gives no target label)."""
+
 
 def _derive_state_defaults(cfg: Any, prefix: str) -> None:
     """Give ``cfg``'s null :data:`OBS_MODE_DEFAULTS` fields (``<prefix>.<name>``) their state values and note
@@ -83,7 +129,7 @@ def _derive_state_defaults(cfg: Any, prefix: str) -> None:
     for path, value in OBS_MODE_DEFAULTS["state"].items():
         owner, _, name = path.rpartition(".")
         if owner == prefix and getattr(cfg, name) is None:
-            setattr(cfg, name, value)
+            setattr(cfg, name, list(value) if isinstance(value, list) else value)
             derived.append(name)
     cfg._derived = frozenset(derived)
 
@@ -94,7 +140,10 @@ class EnvConfig:
 
     name: str = "mujoco_pick"
     """Config-group entry: mujoco_pick | obstacle_reach | hopper (Gymnasium's Hopper-v5, demonstrated by a
-    medium-quality PPO actor) | gym."""
+    medium-quality PPO actor) | metaworld (any of Meta-World's 50 v3 tasks, ``env.task``) | gym."""
+    task: str = ""
+    """env=metaworld: the v3 task (``stick-pull`` or ``stick-pull-v3``; the 50 names are
+    ``diffpolicy_envs.meta_world.TASKS``); unused by the other environments."""
     id: str = "diffpolicy_envs:MujocoPick-v0"
     """gymnasium id passed to ``gymnasium.make``."""
     num_envs: int = 4
@@ -123,7 +172,15 @@ class EnvConfig:
     datasets); false keeps only successes. Behaviour cloning skips failed episodes either way."""
 
     def __post_init__(self) -> None:
-        _choice("env.name", self.name, ("mujoco_pick", "obstacle_reach", "hopper", "gym"))
+        _choice("env.name", self.name, ("mujoco_pick", "obstacle_reach", "hopper", "metaworld", "gym"))
+        if self.name == "metaworld":
+            from diffpolicy_envs.meta_world import TASKS, task_name
+
+            if not self.task:
+                raise ValueError(
+                    f"env=metaworld needs env.task=<name>, one of Meta-World's 50 v3 tasks: {', '.join(TASKS)}"
+                )
+            self.task = task_name(self.task)
         _choice("env.vectorization", self.vectorization, ("sync", "async"))
         _choice("env.obs_mode", self.obs_mode, ("multimodal", "state"))
         if not self.id:
@@ -164,10 +221,13 @@ class EncoderConfig:
     """Widths of the shared per-point MLP (DP3-style), max-pooled over the points."""
     point_keypoints: int = 16
     """Point keypoints: softmax-weighted mean positions over the points (0 disables)."""
-    workspace_low: list[float] = field(default_factory=lambda: [-0.1, -0.45, -0.05])
-    """Lower corner of the workspace box (robot base frame, m) that point positions are scaled from."""
-    workspace_high: list[float] = field(default_factory=lambda: [0.8, 0.45, 0.6])
-    """Upper corner of the workspace box (robot base frame, m) that point positions are scaled from."""
+    workspace_low: list[float] | None = None
+    """Lower corner of the workspace box (the points' frame, m) that point positions are scaled from. Null:
+    derived from the environment (:data:`OBS_MODE_DEFAULTS`, :data:`ENV_DEFAULTS`): MujocoPick's
+    [-0.1, -0.45, -0.05] (robot base frame), Meta-World's point crop [-0.7, 0.2, 0.0] (world frame)."""
+    workspace_high: list[float] | None = None
+    """Upper corner of the workspace box (m); null: derived as ``workspace_low`` (MujocoPick [0.8, 0.45, 0.6],
+    Meta-World [0.7, 1.2, 0.7])."""
     token_dim: int = 128
     """Width of the per-modality tokens mixed by cross-modal attention."""
     fusion_heads: int = 4
@@ -751,11 +811,13 @@ def derive_from_obs_mode(
     env: EnvConfig, policy: PolicyConfig, bc: BCConfig, demos: str = ""
 ) -> tuple[PolicyConfig, BCConfig]:
     """``(policy, bc)`` with the fields that were left null (:data:`OBS_MODE_DEFAULTS`) derived from
-    ``env.obs_mode``; a value set on the command line, in a YAML or in Python stays. Called by the configs
-    that hold an environment and a BC (``train``, ``pretrain``), so ``env.obs_mode=multimodal`` alone gives
-    the measured multimodal recipe. With demonstrations from elsewhere (``bc.demos``, or ``demos``) the
-    auxiliary target loss is derived off: only the scripted expert records its privileged label."""
-    values = OBS_MODE_DEFAULTS[env.obs_mode]
+    ``env.obs_mode`` and, where it has its own (:data:`ENV_DEFAULTS`), ``env.name``; a value set on the
+    command line, in a YAML or in Python stays. Called by the configs that hold an environment and a BC
+    (``train``, ``pretrain``), so ``env.obs_mode=multimodal`` alone gives the measured multimodal recipe. With
+    demonstrations from elsewhere (``bc.demos``, or ``demos``) the auxiliary target loss is derived off: only
+    the scripted expert records its privileged label."""
+    values = {**OBS_MODE_DEFAULTS[env.obs_mode], **ENV_DEFAULTS.get(env.name, {})}
+    values = {k: list(v) if isinstance(v, list) else v for k, v in values.items()}
     encoder = {n: values[f"policy.encoder.{n}"] for n in getattr(policy.encoder, "_derived", ())}
     if encoder:
         policy = dataclasses.replace(policy, encoder=dataclasses.replace(policy.encoder, **encoder))
@@ -785,9 +847,15 @@ class TrainConfig:
     checkpoint_every: int = 5
     """Write a checkpoint every this many PPO iterations."""
     eval_episodes: int = 200
-    """Held-out episodes evaluated before and after fine-tuning."""
-    eval_seed: int = 100_000
-    """First seed of the held-out evaluation episodes (disjoint from demonstration seeds)."""
+    """Test episodes (seeds ``eval_seed + i``), evaluated once for BC and once after fine-tuning: the
+    reported figure, on seeds no choice reads."""
+    eval_seed: int = TEST_SEED
+    """First test seed (:data:`TEST_SEED`; disjoint from demonstration, validation and training seeds)."""
+    val_episodes: int = 100
+    """Validation episodes (seeds ``val_seed + i``) evaluated beside the test ones: the figure every choice
+    (a setting, a sweep, a round count) is made on; 0 skips them."""
+    val_seed: int = VAL_SEED
+    """First validation seed (:data:`VAL_SEED`)."""
     eval_deterministic: bool = False
     """Evaluate every DDIM step's mean only, rather than the stochastic chain that a chain head fine-tunes
     (the default, so that BC and PPO are judged as the policy that is trained). A residual head's base always
@@ -807,6 +875,7 @@ class TrainConfig:
         _positive("checkpoint_every", self.checkpoint_every)
         _positive("eval_episodes", self.eval_episodes)
         _positive("video_episodes", self.video_episodes, allow_zero=True)
+        check_splits(self.val_seed, self.val_episodes, self.eval_seed, self.eval_episodes)
         self.algo = as_learner(self.algo)
         if isinstance(self.algo, PPOConfig) and isinstance(self.env, EnvConfig):
             if self.algo.advantage == "grpo" and self.env.num_envs % self.algo.group_size:
@@ -859,9 +928,13 @@ class PretrainConfig:
     cache_dir: str = ""
     """Where demonstrations are cached between runs ('' = $DIFFPOLICY_CACHE, else runs/cache)."""
     eval_episodes: int = 0
-    """Held-out episodes evaluated after training (0 skips the evaluation)."""
-    eval_seed: int = 100_000
-    """First held-out seed (disjoint from demonstration seeds)."""
+    """Test episodes evaluated after training (0 skips them): the reported figure."""
+    eval_seed: int = TEST_SEED
+    """First test seed (:data:`TEST_SEED`), as ``train``'s."""
+    val_episodes: int = 0
+    """Validation episodes evaluated after training (0 skips them): what BC settings are chosen on."""
+    val_seed: int = VAL_SEED
+    """First validation seed (:data:`VAL_SEED`), as ``train``'s."""
     eval_deterministic: bool = False
     """As ``train``'s: every DDIM step's mean (always so with ``algo.head=residual``, whose base samples that
     way), else the stochastic chain a chain head fine-tunes."""
@@ -872,6 +945,7 @@ class PretrainConfig:
         self.cache_dir = self.cache_dir or default_cache_dir()
         _positive("seed", self.seed, allow_zero=True)
         _positive("eval_episodes", self.eval_episodes, allow_zero=True)
+        check_splits(self.val_seed, self.val_episodes, self.eval_seed, self.eval_episodes)
         if self.demos and isinstance(self.bc, BCConfig) and self.bc.demos != self.demos:
             if self.bc.demos:
                 raise ValueError(
@@ -887,11 +961,14 @@ class EvaluateConfig:
     checkpoint: str = ""
     """Checkpoint directory to evaluate (required)."""
     n_episodes: int = 100
-    """Held-out episodes."""
+    """Episodes evaluated (seeds ``eval_seed + i``)."""
     num_envs: int = 4
     """Parallel environments."""
-    eval_seed: int = 100_000
-    """First held-out seed (disjoint from demonstration seeds)."""
+    split: str = "test"
+    """Which seeds: test (:data:`TEST_SEED` + i, the reported figure, as ``train``'s test evaluation) | val
+    (:data:`VAL_SEED` + i, the seeds choices are made on: the reachability measurement needs them)."""
+    eval_seed: int | None = None
+    """First seed; null: the split's (a number overrides it, and the summary says so)."""
     video_episodes: int = 2
     """Episodes recorded to mp4."""
     deterministic: bool = False
@@ -909,6 +986,14 @@ class EvaluateConfig:
     def __post_init__(self) -> None:
         if not self.checkpoint:
             raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
+        _choice("split", self.split, ("test", "val"))
+        if self.eval_seed is None:
+            self.eval_seed = TEST_SEED if self.split == "test" else VAL_SEED
+        _positive("eval_seed", self.eval_seed, allow_zero=True)
+        if self.reachability_tries > 0 and self.split != "val":
+            raise ValueError(
+                "reachability_tries chooses exploration settings, so it runs on validation seeds: add split=val"
+            )
         _positive("reachability_tries", self.reachability_tries, allow_zero=True)
         _positive("explore_std", self.explore_std, allow_zero=True)
         _choice("explore_hold", self.explore_hold, ("step", "chunk"))
@@ -1063,7 +1148,7 @@ POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "ft_steps", "unexe
 """PolicyConfig fields whose null default :meth:`PolicyConfig.__post_init__` derives from other fields."""
 DERIVED: dict[type, tuple[str, ...]] = {
     PolicyConfig: POLICY_DERIVED,
-    EncoderConfig: ("use_state",),
+    EncoderConfig: ("use_state", "workspace_low", "workspace_high"),
     BCConfig: ("epochs", "batch_size", "n_demos", "target_aux_weight"),
 }
 """Fields whose null default is derived when the config is built: from the component's own fields, or from

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from diffpolicy.config import ENV_RUNTIME_FIELDS, BCConfig, EnvConfig
+from diffpolicy.config import ENV_FIELDS_ADDED, ENV_RUNTIME_FIELDS, BCConfig, EnvConfig
 from diffpolicy.data.dataset import (
     INSTRUCTION_KEY,
     REWARD_KEY,
@@ -61,6 +61,8 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 DEMOS_VERSION = 5
 """Part of the cache key; bumped when an environment's action or observation semantics change
 (4: MujocoPick actions became tool waypoints; 5: its state observation gained the target's position)."""
+MAX_TRIES_PER_DEMO = 3
+"""Without failures kept: the expert gets at most this many seeds per demonstration asked for."""
 IMPORT_VERSION = 1
 """Part of an imported dataset's cache key; bumped when the conversion changes."""
 ACTION_TOLERANCE = 1e-4
@@ -133,11 +135,15 @@ def collect_demos(
     keep_failures: bool | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Roll out the scripted expert on seeds ``seed .. seed + n_episodes - 1`` and write a dataset at ``out``.
+    """Roll out the scripted expert on seeds ``seed, seed + 1, ...`` and write a dataset at ``out``.
+
+    With failures kept, ``n_episodes`` episodes are run and all stored. Without, ``n_episodes`` is the number
+    of successful episodes to store: seeds are tried in order until that many succeeded (at most
+    ``MAX_TRIES_PER_DEMO`` x ``n_episodes`` of them; fewer are stored when the expert fails more often).
 
     Args:
-        env_cfg: environment (``mujoco_pick`` in either obs mode, ``obstacle_reach`` or ``hopper``).
-        n_episodes: episodes to run.
+        env_cfg: environment (``mujoco_pick`` in either obs mode, ``obstacle_reach``, ``hopper`` or ``metaworld``).
+        n_episodes: episodes to store (the successful ones when failures are dropped).
         seed: first episode seed (also seeds the expert's own choices).
         out: dataset directory to create (must not exist).
         keep_failures: also store episodes the expert failed (None: ``env_cfg.demo_failures``).
@@ -177,13 +183,19 @@ def collect_demos(
     returns: list[float] = []
     steps = 0
     try:
-        for i in progress(range(n_episodes), total=n_episodes, desc="collect"):
+        tries = n_episodes if keep_failures else MAX_TRIES_PER_DEMO * n_episodes
+        bar = iter(progress(range(n_episodes), total=n_episodes, desc="collect"))
+        for i in range(tries):
             episode, success = run_expert_episode(env, expert, seed + i)
             successes.append(success)
             returns.append(float(episode[REWARD_KEY].sum()))
             if success is not False or keep_failures:  # None: no notion of success, every episode kept
                 writer.add_episode(episode, seed=seed + i, success=success)
                 steps += len(episode["action"])
+                next(bar, None)
+            if writer.num_episodes == n_episodes:
+                break
+        next(bar, None)  # let the bar close
         if writer.num_episodes == 0:
             raise ValueError(
                 f"the expert failed all {n_episodes} episodes of {env_cfg.id}; nothing to write "
@@ -199,7 +211,7 @@ def collect_demos(
     return {
         "success_rate": float(np.mean(known)) if known else None,
         "mean_return": round(float(np.mean(returns)), 2),
-        "n_episodes": n_episodes,
+        "n_episodes": len(successes),
         "n_kept": writer.num_episodes,
         "steps": steps,
         "path": str(path),
@@ -208,11 +220,14 @@ def collect_demos(
 
 
 def demos_key(env_cfg: EnvConfig, n_episodes: int, seed: int) -> str:
-    """Short hash naming a cached dataset: the environment's data-relevant fields, episode count and seed."""
-    env = {k: v for k, v in dataclasses.asdict(env_cfg).items() if k not in ENV_RUNTIME_FIELDS}
-    blob = json.dumps(
-        {"env": env, "n": n_episodes, "seed": seed, "version": DEMOS_VERSION}, sort_keys=True, default=str
-    )
+    """Short hash naming a cached dataset: the environment's data-relevant fields, episode count and seed.
+
+    Without ``env.demo_failures`` the count is of successful episodes (:func:`collect_demos`), which the key
+    says, so a dataset collected when it counted every episode is not reused."""
+    key: dict[str, Any] = {"env": _env_data_fields(env_cfg), "n": n_episodes, "seed": seed, "version": DEMOS_VERSION}
+    if not env_cfg.demo_failures:
+        key["count"] = "successes"
+    blob = json.dumps(key, sort_keys=True, default=str)
     return f"{env_cfg.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
@@ -247,7 +262,12 @@ def cached_demos(
 
 # ------------------------------------------------------------------------------- datasets from elsewhere
 def _env_data_fields(env_cfg: EnvConfig) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(env_cfg).items() if k not in ENV_RUNTIME_FIELDS}
+    """The EnvConfig fields that say what the data holds (not how envs run; added fields only when set)."""
+    return {
+        k: v
+        for k, v in dataclasses.asdict(env_cfg).items()
+        if k not in ENV_RUNTIME_FIELDS and not (k in ENV_FIELDS_ADDED and v == ENV_FIELDS_ADDED[k])
+    }
 
 
 def import_key(

@@ -76,10 +76,12 @@ class ActionChunkWrapper(gym.Wrapper):
 def env_kwargs(cfg: EnvConfig, n_action_steps: int) -> dict[str, Any]:
     """Constructor keyword arguments for ``cfg``'s environment (camera rendered once per decision)."""
     kwargs: dict[str, Any] = {"max_episode_steps": cfg.max_episode_steps}
-    if cfg.name == "mujoco_pick":
+    if cfg.name in ("mujoco_pick", "metaworld"):
         kwargs.update(
             obs_mode=cfg.obs_mode, image_size=cfg.image_size, n_points=cfg.n_points, obs_every=n_action_steps
         )
+    if cfg.name == "metaworld":
+        kwargs.update(task=cfg.task, time_limit=cfg.max_episode_steps)
     kwargs.update(cfg.kwargs)
     return kwargs
 

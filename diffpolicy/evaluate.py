@@ -1,13 +1,15 @@
 """``python -m diffpolicy.evaluate checkpoint=PATH n_episodes=100``: success rate of a checkpoint.
 
 Loads the policy with :func:`diffpolicy.policy_io.load_policy`, runs :func:`diffpolicy.evaluation.evaluate`
-(the sampling path training rollouts use too) on held-out seeds ``eval_seed + i`` (demonstrations use seeds
-from 0), records ``video_episodes`` episodes to ``eval.mp4`` and, when the checkpoint's run directory holds
+(the sampling path training rollouts use too) on the seeds of ``split``: ``test`` (the default, 1 000 000 + i:
+the seeds ``train`` reports its figure on) or ``val`` (100 000 + i: the seeds every choice is made on;
+demonstrations use seeds from 0), records ``video_episodes`` episodes to ``eval.mp4`` and, when the checkpoint's run directory holds
 a ``metrics.jsonl``, plots its training curve into the run directory. Prints one JSON line last:
 ``{"success_rate", "success_ci", "failures", "n_episodes", "mean_return", ...}`` (``failures``: reason ->
 count of the failed episodes, from the env's ``info["outcome"]``).
 
-``reachability_tries=16`` adds the reachability of the failed scenes: for each held-out scene the policy
+``split=val reachability_tries=16`` adds the reachability of the failed scenes (a measurement that chooses
+exploration settings, so it runs on validation seeds only): for each validation scene the policy
 failed, ``reachability_tries`` exploratory episodes (the stochastic chain; ``explore_std`` adds action noise
 held per ``explore_hold`` = step | chunk on top of the deterministic chain) and the fraction of those scenes
 where at least one succeeded (:func:`diffpolicy.evaluation.reachability`).
@@ -93,6 +95,8 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "env_steps": result.env_steps,
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,
+        "split": cfg.split,  # test: the seeds of train's reported figure; val: the seeds choices are made on
+        "first_seed": cfg.eval_seed,
     }
     if cfg.reachability_tries > 0:
         failed_at = [i for i, ok in enumerate(result.successes) if not ok]

@@ -348,21 +348,35 @@ DETERMINISTIC_HEADS = ("residual", "filtered_bc")
 """Learners whose policy acts with every DDIM step's mean, so BC and the result are judged that way."""
 
 
-def held_out(policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any) -> EvalResult:
+SPLITS = ("val", "test")
+"""The held-out seed ranges: ``val`` (every choice reads it), ``test`` (the reported figure)."""
+
+
+def split_seeds(cfg: TrainConfig | PretrainConfig, split: str) -> tuple[int, int]:
+    """``(first seed, episodes)`` of ``split``: ``val`` -> (``val_seed``, ``val_episodes``), ``test`` ->
+    (``eval_seed``, ``eval_episodes``)."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not allowed; choose val or test")
+    return (cfg.val_seed, cfg.val_episodes) if split == "val" else (cfg.eval_seed, cfg.eval_episodes)
+
+
+def held_out(policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any, split: str = "test") -> EvalResult:
     """The held-out evaluation that ``train`` (before and after PPO) and ``pretrain`` report, one protocol so
-    that their success rates compare: ``cfg.eval_episodes`` episodes from seed ``cfg.eval_seed``, in waves of
+    that their success rates compare: the ``split``'s episodes (:func:`split_seeds`: validation, or the test
+    seeds of the reported figure), in waves of
     min(``env.num_envs``, episodes) environments, on ``runtime``'s device and autocast. A chain policy takes
     every DDIM step's mean when ``cfg.algo.head`` is residual (the residual's base samples that way: a BC
     policy is judged as the residual head starts from it) or ``cfg.eval_deterministic``, else samples the
     stochastic chain; a base + residual policy always runs its deterministic base and mean correction.
     ``algo.head=filtered_bc`` is judged deterministically too (its rollouts default to it)."""
+    seed, episodes = split_seeds(cfg, split)
     return evaluate(
         policy,
         cfg.env,
         n_action_steps=policy.n_action_steps,
-        n_episodes=cfg.eval_episodes,
-        seed=cfg.eval_seed,
-        num_envs=min(cfg.env.num_envs, cfg.eval_episodes),
+        n_episodes=episodes,
+        seed=seed,
+        num_envs=min(cfg.env.num_envs, episodes),
         device=runtime.device,
         deterministic=cfg.algo.head in DETERMINISTIC_HEADS or cfg.eval_deterministic,
         autocast=runtime.autocast,

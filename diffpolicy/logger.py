@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 T = TypeVar("T")
 
-NAMESPACES = ("rollout", "losses", "time", "eval", "train", "stability", "charts", "system")
+NAMESPACES = ("rollout", "losses", "time", "eval", "val", "train", "stability", "charts", "system")
 """Allowed metric prefixes (the part before the first '/')."""
 
 

@@ -26,7 +26,7 @@ import torch
 
 from diffpolicy import checkpoint
 from diffpolicy.checkpoint import Checkpoint, CheckpointError
-from diffpolicy.config import ENV_RUNTIME_FIELDS, EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.config import ENV_FIELDS_ADDED, ENV_RUNTIME_FIELDS, EncoderConfig, EnvConfig, PolicyConfig
 
 POLICY_FIELDS_ADDED = ("ft_fraction", "denoiser", "mlp_dims", "unexecuted_weight")
 """PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults (and at
@@ -193,7 +193,9 @@ def configs_from(ckpt: Checkpoint) -> tuple[EnvConfig, PolicyConfig]:
     if "env" not in ckpt.config:
         raise CheckpointError(f"checkpoint {ckpt.path} lacks config['env'] (not a policy checkpoint?)")
     policy_cfg = policy_config_from(ckpt)
-    env_cfg = _dataclass_from(EnvConfig, ckpt.config["env"], "env", ckpt.path, defaultable=ENV_RUNTIME_FIELDS)
+    env_cfg = _dataclass_from(
+        EnvConfig, ckpt.config["env"], "env", ckpt.path, defaultable=(*ENV_RUNTIME_FIELDS, *ENV_FIELDS_ADDED)
+    )
     return env_cfg, policy_cfg
 
 

@@ -54,6 +54,17 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
             summary["mean_return"] = round(result.mean_return, 2)
             summary["return_ci"] = [round(v, 2) for v in result.return_ci()]  # 95 % Student-t interval
             summary["eval_episodes"] = result.episodes
+            summary["split"] = {"test": {"first_seed": cfg.eval_seed, "episodes": result.episodes}}
+        if cfg.val_episodes > 0:  # the seeds BC settings are chosen on, reported apart from the test figure
+            val = held_out(policy, cfg, runtime, "val")
+            if val.reports_success:
+                logger.log({"val/success_rate": val.success_rate}, metrics["steps"])
+            summary["val"] = {
+                "success_rate": val.success_rate if val.reports_success else None,
+                "mean_return": round(val.mean_return, 2),
+                "episodes": val.episodes,
+                "first_seed": cfg.val_seed,
+            }
     curve = plot_curve(
         run_dir / "metrics.jsonl", "losses/bc", run_dir / "bc_loss.png", title="behaviour cloning"
     )

@@ -155,14 +155,16 @@ def fine_tune(
             logger.event("resume", f"resumed from {ckpt.path.name}", env_steps, iteration=first_it)
     broadcast_parameters(head.modules(), info)
     if bc is None:
-        bc = {"successes": [], "outcomes": [], "returns": [], "reports_success": True}
-        if info.is_main:
-            before = held_out(head.policy, cfg, rt)
-            bc = {"successes": before.successes, "outcomes": before.outcomes, "returns": before.returns,
-                  "reports_success": before.reports_success}  # fmt: skip
+        bc = {"successes": [], "outcomes": [], "returns": [], "reports_success": True, "val": None}
+        if info.is_main:  # the BC policy on both splits: validation (choices) and test (the reported figure)
+            before = held_out(head.policy, cfg, rt, "test")
+            bc = {**eval_record(before), "val": eval_record(held_out(head.policy, cfg, rt, "val"))
+                  if cfg.val_episodes else None}  # fmt: skip
             first = {"eval/mean_return": float(np.mean(bc["returns"]))}
             if before.reports_success:
                 first["eval/success_rate"] = sum(bc["successes"]) / len(bc["successes"])
+            if bc["val"] is not None:
+                first.update(val_scalars(bc["val"]))
             logger.log(first, step=0)
     # an env without a success notion (Hopper) gets no success metrics, curve or summary fields: None, not 0.0
     goal = bool(bc.get("reports_success", True))
@@ -227,11 +229,14 @@ def fine_tune(
     # ---- after PPO: the same held-out seeds, a curve and a video
     summary: dict[str, Any] | None = None
     if info.is_main:
-        after = held_out(head.policy, cfg, rt)
+        after_val = eval_record(held_out(head.policy, cfg, rt, "val")) if cfg.val_episodes else None
+        after = held_out(head.policy, cfg, rt, "test")  # once, at the end: the reported figure
         goal = goal and after.reports_success
         last = {"eval/mean_return": after.mean_return}
         if goal:
             last["eval/success_rate"] = after.success_rate
+        if after_val is not None:
+            last.update(val_scalars(after_val))
         logger.log(last, step=env_steps)
         artifacts(cfg, run_dir, head.policy, rt, success=goal)
         n_bc, bc_returns = len(bc["successes"]), bc.get("returns", [])
@@ -249,6 +254,12 @@ def fine_tune(
             "bc_return_ci": [round(v, 2) for v in mean_interval(bc_returns)] if bc_returns else None,
             "ppo_return_ci": [round(v, 2) for v in after.return_ci()],
             "eval_episodes": after.episodes,
+            # which seeds each figure comes from: the top-level figures are the test split's
+            "splits": {
+                "test": {"first_seed": cfg.eval_seed, "episodes": after.episodes, "use": "reported figure"},
+                "val": {"first_seed": cfg.val_seed, "episodes": cfg.val_episodes, "use": "every choice"},
+            },
+            "val": split_summary(bc.get("val"), after_val, goal),
             "failures": {
                 "bc": failure_counts(bc["successes"], bc.get("outcomes", [])),
                 "ppo": after.failures(),
@@ -271,6 +282,37 @@ def fine_tune(
         }
     barrier(info)
     return summary, head
+
+
+def eval_record(result: EvalResult) -> dict[str, Any]:
+    """What a checkpoint keeps of an evaluation: per-episode successes, outcomes and returns."""
+    return {"successes": result.successes, "outcomes": result.outcomes, "returns": result.returns,
+            "reports_success": result.reports_success}  # fmt: skip
+
+
+def val_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The validation metrics logged beside the test ones (``val/success_rate``, ``val/mean_return``)."""
+    out = {"val/mean_return": float(np.mean(record["returns"]))}
+    if record["reports_success"]:
+        out["val/success_rate"] = sum(record["successes"]) / len(record["successes"])
+    return out
+
+
+def split_summary(bc: dict[str, Any] | None, after: dict[str, Any] | None, goal: bool) -> dict[str, Any] | None:
+    """The validation split's figures, BC and after fine-tuning (None when it was skipped, or the BC
+    evaluation comes from a checkpoint written before the split existed)."""
+    if after is None:
+        return None
+
+    def rates(record: dict[str, Any] | None) -> tuple[float | None, float | None]:
+        if record is None:
+            return None, None
+        rate = sum(record["successes"]) / len(record["successes"]) if goal else None
+        return rate, round(float(np.mean(record["returns"])), 2)
+
+    (bc_rate, bc_ret), (rate, ret) = rates(bc), rates(after)
+    return {"bc_success_rate": bc_rate, "ppo_success_rate": rate, "bc_return": bc_ret, "ppo_return": ret,
+            "episodes": len(after["successes"])}  # fmt: skip
 
 
 def save(

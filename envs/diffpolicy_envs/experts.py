@@ -31,6 +31,7 @@ from diffpolicy_envs.mujoco_pick import (
     step_toward,
     tool_rotation,
 )
+from diffpolicy_envs.meta_world import MetaWorldEnv, MetaWorldExpert
 from diffpolicy_envs.obstacle_reach import ObstacleReachEnv
 
 OPEN, CLOSE = -1.0, 1.0
@@ -334,8 +335,11 @@ evaluation whose sampled return reached 1000 (1343 over 10 episodes): medium qua
 expert's return, as D4RL's hopper-medium (its ``meta`` states the band the test holds it to)."""
 
 
-def make_expert(env: gym.Env, seed: int | None = None, **kwargs: Any) -> PickExpert | ReachExpert | MLPExpert:
-    """The expert of ``env``: scripted for ``MujocoPick-v0`` and ``ObstacleReach-v0``, a trained actor
+def make_expert(
+    env: gym.Env, seed: int | None = None, **kwargs: Any
+) -> PickExpert | ReachExpert | MLPExpert | MetaWorldExpert:
+    """The expert of ``env``: scripted for ``MujocoPick-v0`` and ``ObstacleReach-v0``, Meta-World's own
+    scripted policy for ``MetaWorld-v0`` (:class:`~diffpolicy_envs.meta_world.MetaWorldExpert`), a trained actor
     (:data:`POLICY_EXPERTS`, :class:`MLPExpert`) for ``Hopper-v5``; wrapped or not.
 
     ``seed`` seeds the expert's own random choices (ObstacleReach's side, the actor's action noise); extra
@@ -346,6 +350,8 @@ def make_expert(env: gym.Env, seed: int | None = None, **kwargs: Any) -> PickExp
         return PickExpert(env, seed=seed, **kwargs)
     if isinstance(u, ObstacleReachEnv):
         return ReachExpert(env, seed=seed, **kwargs)
+    if isinstance(u, MetaWorldEnv):
+        return MetaWorldExpert(env, seed=seed, **kwargs)
     kwargs = dict(kwargs)
     weights = kwargs.pop("weights", None) or POLICY_EXPERTS.get(type(u).__name__)
     if weights is not None:

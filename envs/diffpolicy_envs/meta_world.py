@@ -1,0 +1,407 @@
+"""Meta-World's v3 tasks (``MetaWorld-v0``) with the observations of the diffpolicy environments.
+
+Meta-World (Yu et al. 2019; PyPI ``metaworld`` 3.x, the ``metaworld`` extra) is a Sawyer arm on a table with
+50 manipulation tasks, each with its own scripted expert (``metaworld.policies``). This adapter builds one
+task's goal-observable environment (the object and goal placement randomised on every reset, as DP3 and
+IBRL use it) and gives it this package's conventions:
+
+| key | shape | dtype | meaning |
+|---|---|---|---|
+| ``rgb`` | (H, W, 3) | uint8 | image of ``camera`` (default ``corner2``), H = W = ``image_size`` (default 84) |
+| ``points`` | (N, 6) | float32 | coloured point cloud from the same camera's depth: x, y, z world frame (m), r, g, b in [0, 1] (zeros with ``point_colors=False``) |
+| ``instruction`` | - | str | one sentence per task (:data:`INSTRUCTIONS`) |
+| ``state`` | (9,) | float32 | proprioception only (DP3's ``agent_pos``): hand position, right and left finger pad positions (m) |
+
+With ``obs_mode="state"`` the Dict holds ``state`` alone: Meta-World's own 39-D vector (hand position and
+gripper opening, two objects' positions and quaternions, the same 18 values one step earlier, the goal),
+which carries the object poses (privileged: the state-only row of a table, not the multimodal policy's).
+
+``points`` back-projects the depth image through the camera's pinhole intrinsics and pose
+(:func:`diffpolicy_envs.mujoco_pick.depth_to_points`), crops it to the workspace box
+:data:`POINT_BOX_LOW` .. :data:`POINT_BOX_HIGH` (which removes the table top, the floor and the walls),
+voxelises it (``point_voxel``, default 1 cm) and draws exactly N points (the env's seeded generator), padding
+by repetition when fewer remain. As DP3 does, ``corner2`` is moved to (0.6, 0.295, 0.8) so the table fills the
+view (``camera_pos``; null keeps the model's pose). The camera is mounted upside down in Meta-World's model:
+``rgb`` is rotated by 180 degrees so the table is at the bottom of the image (the points do not depend on it).
+
+Rendering is what costs (84 x 84 on one core, Mesa: an RGB frame 80 ms with MuJoCo's shadows and
+reflections, ~12 ms without them, as here; depth ~6 ms; a physics step ~0.9 ms). One ``mujoco.Renderer``
+is reused, and with ``obs_every = k`` the camera is rendered only on every k-th step after a reset (at the
+steps where a policy executing k actions per decision looks), the last ``rgb``/``points`` repeated in
+between (``info["obs_age"]``; ``request_obs()`` forces a render on the next step).
+
+Episodes: at most ``time_limit`` (200, DP3's protocol) control steps; ``info["is_success"]`` is
+Meta-World's ``info["success"]``, and the episode terminates on the first success. ``info["outcome"]`` names
+how the episode would end now: ``success``; ``never_reached`` (the hand never came near the object),
+``never_grasped`` (near it, but Meta-World never reported a grasp), ``timed_out`` (the rest) -- from
+Meta-World's own ``near_object`` and ``grasp_success`` flags. The reward is Meta-World's (v3 reward
+functions), whose terms Meta-World reports in ``info`` (``grasp_reward``, ``in_place_reward``, ...).
+Actions: 4-D in [-1, 1], the hand's displacement (x, y, z, scaled by 1 cm) and the gripper's effort.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import gymnasium as gym
+import mujoco
+import numpy as np
+from gymnasium import spaces
+
+from diffpolicy_envs.mujoco_pick import depth_to_points, voxel_downsample
+
+POINT_BOX_LOW = np.array([-0.7, 0.2, 0.005])
+"""Workspace crop, world frame (m): the table top lies at z = 0, just below the box."""
+POINT_BOX_HIGH = np.array([0.7, 1.2, 0.7])
+DEPTH_TRUNC = 1.5
+"""Largest kept depth (m); the far wall and the floor lie beyond or outside the box anyway."""
+DP3_CAMERA_POS = {"corner2": (0.6, 0.295, 0.8)}
+"""Camera positions DP3 (Ze et al. 2024) moves Meta-World's cameras to."""
+OUTCOMES = ("success", "never_reached", "never_grasped", "timed_out")
+"""Values of ``info["outcome"]``."""
+STATE_DIM = {"multimodal": 9, "state": 39}
+
+INSTRUCTIONS: dict[str, str] = {
+    "assembly": "put the ring onto the peg",
+    "basketball": "dunk the ball into the basket",
+    "bin-picking": "move the cube from one bin into the other",
+    "box-close": "put the lid on the box",
+    "button-press-topdown": "press the button from the top",
+    "button-press-topdown-wall": "press the button from the top behind the wall",
+    "button-press": "press the button",
+    "button-press-wall": "press the button behind the wall",
+    "coffee-button": "press the button on the coffee machine",
+    "coffee-pull": "pull the mug from the coffee machine",
+    "coffee-push": "push the mug under the coffee machine",
+    "dial-turn": "turn the dial",
+    "disassemble": "pick the ring off the peg",
+    "door-close": "close the door",
+    "door-lock": "lock the door by turning the lock",
+    "door-open": "open the door",
+    "door-unlock": "unlock the door by turning the lock",
+    "hand-insert": "insert the hand into the hole",
+    "drawer-close": "push the drawer closed",
+    "drawer-open": "pull the drawer open",
+    "faucet-open": "turn the faucet on",
+    "faucet-close": "turn the faucet off",
+    "hammer": "hammer the nail into the wall",
+    "handle-press-side": "press the handle down from the side",
+    "handle-press": "press the handle down",
+    "handle-pull-side": "pull the handle up from the side",
+    "handle-pull": "pull the handle up",
+    "lever-pull": "pull the lever up",
+    "pick-place-wall": "pick up the puck and place it at the goal behind the wall",
+    "pick-out-of-hole": "pick the peg out of the hole",
+    "pick-place": "pick up the puck and place it at the goal",
+    "plate-slide": "slide the plate into the cabinet",
+    "plate-slide-side": "slide the plate into the cabinet from the side",
+    "plate-slide-back": "slide the plate out of the cabinet",
+    "plate-slide-back-side": "slide the plate out of the cabinet to the side",
+    "peg-insert-side": "insert the peg into the hole from the side",
+    "peg-unplug-side": "unplug the peg from the side",
+    "soccer": "kick the ball into the goal",
+    "stick-push": "grasp the stick and push the box with it",
+    "stick-pull": "grasp the stick and pull the box with it",
+    "push": "push the puck to the goal",
+    "push-wall": "push the puck to the goal behind the wall",
+    "push-back": "push the puck back to the goal",
+    "reach": "reach the goal position",
+    "reach-wall": "reach the goal position behind the wall",
+    "shelf-place": "pick up the puck and place it on the shelf",
+    "sweep-into": "sweep the puck into the hole",
+    "sweep": "sweep the puck off the table",
+    "window-open": "slide the window open",
+    "window-close": "slide the window closed",
+}
+"""The instruction of every v3 task, keyed by its name without the version."""
+TASKS = tuple(INSTRUCTIONS)
+
+
+def task_name(task: str) -> str:
+    """``"stick-pull"`` or ``"stick-pull-v3"`` -> ``"stick-pull"``; ValueError naming the choices otherwise."""
+    name = task[:-3] if task.endswith("-v3") else task
+    if name not in INSTRUCTIONS:
+        raise ValueError(
+            f"unknown Meta-World task {task!r}; choose one of the 50 v3 tasks, e.g. {', '.join(TASKS[:6])}, ..."
+        )
+    return name
+
+
+def import_metaworld() -> Any:
+    """The ``metaworld`` package, or ImportError naming the extra that installs it."""
+    try:
+        import metaworld  # noqa: F401
+        from metaworld import env_dict
+    except ImportError as err:
+        raise ImportError(
+            "Meta-World is not installed: pip install -e '.[metaworld]' (the metaworld extra; it pins mujoco==3.3.0)"
+        ) from err
+    return env_dict
+
+
+class MetaWorldEnv(gym.Env):
+    """One Meta-World v3 task, randomised per seeded reset, with rgb / points / instruction / proprioception.
+
+    Args:
+        task: a v3 task name, with or without ``-v3`` (:data:`TASKS`).
+        obs_mode: ``multimodal`` (the table above) or ``state`` (Meta-World's 39-D vector alone).
+        camera: the MuJoCo camera of ``rgb`` and ``points``.
+        camera_pos: where to move that camera (m, world frame); ``"dp3"`` (default) uses DP3's position
+            for ``corner2`` (:data:`DP3_CAMERA_POS`) and keeps the model's for the others, null keeps it.
+        image_size: side of the square image (pixels).
+        n_points: points per cloud (N).
+        point_colors: colour the points from ``rgb``; false leaves r, g, b at zero (DP3's xyz-only clouds).
+        point_voxel: edge of the down-sampling voxels (m).
+        obs_every: render ``rgb``/``points`` on every k-th step only, repeating them in between.
+        time_limit: truncate after this many control steps (``gymnasium.make``'s ``max_episode_steps``
+            wraps another time limit around it; the registration's is the same 200).
+        render_mode: ``rgb_array`` for :meth:`render` (the camera image, for videos).
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 80}
+
+    def __init__(
+        self,
+        task: str = "reach",
+        obs_mode: str = "multimodal",
+        camera: str = "corner2",
+        camera_pos: Any = "dp3",
+        image_size: int = 84,
+        n_points: int = 512,
+        point_colors: bool = True,
+        point_voxel: float = 0.01,
+        obs_every: int = 1,
+        time_limit: int = 200,
+        render_mode: str | None = None,
+    ) -> None:
+        self.task = task_name(task)
+        if obs_mode not in STATE_DIM:
+            raise ValueError(f"obs_mode={obs_mode!r} is not allowed; choose multimodal or state")
+        for name, value in (("image_size", image_size), ("n_points", n_points), ("obs_every", obs_every)):
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if time_limit < 1:
+            raise ValueError(f"time_limit must be >= 1, got {time_limit}")
+        if render_mode not in (None, "rgb_array"):
+            raise ValueError(f"render_mode={render_mode!r} is not supported; use rgb_array or None")
+        env_dict = import_metaworld()
+        self._env = env_dict.ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[f"{self.task}-v3-goal-observable"]()
+        u = self._env
+        u._freeze_rand_vec = False  # a new placement on every reset, drawn from the seeded generator
+        u.seeded_rand_vec = True
+        u.max_path_length = time_limit + 1  # our time limit truncates first
+        self.model, self.data = u.model, u.data
+        if camera not in {self.model.camera(i).name for i in range(self.model.ncam)}:
+            names = ", ".join(self.model.camera(i).name for i in range(self.model.ncam))
+            raise ValueError(f"camera={camera!r} is not in the Meta-World model; choose one of {names}")
+        self.camera = self.model.camera(camera).id
+        if isinstance(camera_pos, str):
+            if camera_pos != "dp3":
+                raise ValueError(f"camera_pos={camera_pos!r}: give dp3, null or three numbers (m)")
+            camera_pos = DP3_CAMERA_POS.get(camera)
+        if camera_pos is not None:
+            self.model.cam_pos[self.camera] = np.asarray(camera_pos, dtype=np.float64).reshape(3)
+        self.obs_mode = obs_mode
+        self.image_size = int(image_size)
+        self.n_points = int(n_points)
+        self.point_colors = bool(point_colors)
+        self.point_voxel = float(point_voxel)
+        self.obs_every = int(obs_every)
+        self.time_limit = int(time_limit)
+        self.render_mode = render_mode
+        self.instruction = INSTRUCTIONS[self.task]
+        self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+        obs_spaces: dict[str, spaces.Space] = {
+            "state": spaces.Box(-np.inf, np.inf, (STATE_DIM[obs_mode],), np.float32)
+        }
+        if obs_mode == "multimodal":
+            size = self.image_size
+            obs_spaces["rgb"] = spaces.Box(0, 255, (size, size, 3), np.uint8)
+            obs_spaces["points"] = spaces.Box(-np.inf, np.inf, (self.n_points, 6), np.float32)
+            obs_spaces["instruction"] = spaces.Text(max_length=128, charset="abcdefghijklmnopqrstuvwxyz -")
+        self.observation_space = spaces.Dict(obs_spaces)
+        self._renderer: mujoco.Renderer | None = None
+        self._rgb = np.zeros((self.image_size, self.image_size, 3), np.uint8)
+        self._depth = np.zeros((self.image_size, self.image_size), np.float32)
+        self._points = np.zeros((self.n_points, 6), np.float32)
+        self._full_state = np.zeros(39)
+        self._elapsed = 0
+        self._obs_age = 0
+        self._force_obs = False
+        self._near = self._grasped = False
+
+    # ------------------------------------------------------------------------------------------ gym API
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        super().reset(seed=seed)
+        if seed is not None:
+            self._env.seed(int(seed))  # Meta-World draws the placement from its own seeded generator
+        obs, _ = self._env.reset()
+        self._full_state = np.asarray(obs, dtype=np.float64)
+        self._elapsed, self._near, self._grasped = 0, False, False
+        if self.obs_mode == "multimodal":
+            self._render_obs()
+        return self._get_obs(), self._info(False)
+
+    def step(self, action: np.ndarray) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
+        a = np.asarray(action, dtype=np.float64).reshape(-1)
+        if a.shape != (4,):
+            raise ValueError(f"action must have shape (4,), got {np.shape(action)}")
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"action must be finite, got {a.tolist()}")
+        obs, reward, _, _, mw_info = self._env.step(np.clip(a, -1.0, 1.0).astype(np.float32))
+        self._full_state = np.asarray(obs, dtype=np.float64)
+        self._elapsed += 1
+        self._near = self._near or bool(mw_info.get("near_object", 0.0))
+        self._grasped = self._grasped or bool(mw_info.get("grasp_success", 0.0))
+        success = bool(mw_info.get("success", 0.0))
+        truncated = not success and self._elapsed >= self.time_limit
+        if self.obs_mode == "multimodal":
+            self._obs_age += 1
+            if self._force_obs or self._elapsed % self.obs_every == 0:
+                self._render_obs()
+        info = self._info(success)
+        info["terms"] = {k: float(v) for k, v in mw_info.items() if k != "success"}
+        return self._get_obs(), float(reward), success, truncated, info
+
+    def render(self) -> np.ndarray | None:
+        if self.render_mode != "rgb_array":
+            return None
+        if self.obs_mode != "multimodal" or self._obs_age:
+            self._render_rgb()
+        return self._rgb.copy()
+
+    def close(self) -> None:
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+        self._env.close()
+
+    # ---------------------------------------------------------------------------------------- helpers
+    @property
+    def full_state(self) -> np.ndarray:
+        """Meta-World's 39-D observation after the last reset or step (what its scripted experts read)."""
+        return self._full_state
+
+    def set_obs_every(self, k: int) -> None:
+        """Render the camera on every ``k``-th step (k >= 1)."""
+        if int(k) != k or k < 1:
+            raise ValueError(f"obs_every must be a positive integer, got {k!r}")
+        self.obs_every = int(k)
+
+    def request_obs(self) -> None:
+        """Render ``rgb``/``points`` on the next step whatever ``obs_every`` says."""
+        self._force_obs = True
+
+    def _outcome(self, success: bool) -> str:
+        if success:
+            return "success"
+        if not self._near:
+            return "never_reached"
+        return "timed_out" if self._grasped else "never_grasped"
+
+    def _info(self, success: bool) -> dict[str, Any]:
+        return {
+            "is_success": success,
+            "outcome": self._outcome(success),
+            "instruction": self.instruction,
+            "obs_age": self._obs_age,
+        }
+
+    def _proprio(self) -> np.ndarray:
+        u = self._env
+        out = np.empty(9, np.float32)
+        out[0:3] = u.get_endeff_pos()
+        out[3:6] = u._get_site_pos("rightEndEffector")
+        out[6:9] = u._get_site_pos("leftEndEffector")
+        return out
+
+    def _get_obs(self) -> dict[str, Any]:
+        if self.obs_mode == "state":
+            return {"state": self._full_state.astype(np.float32)}
+        return {
+            "state": self._proprio(),
+            "rgb": self._rgb.copy(),
+            "points": self._points.copy(),
+            "instruction": self.instruction,
+        }
+
+    def _camera(self) -> mujoco.Renderer:
+        """The one renderer (shadows and reflections off: 80 -> ~12 ms a frame in software) and the pixel
+        ray slopes of the camera's pinhole intrinsics."""
+        if self._renderer is None:
+            size = self.image_size
+            fovy = np.deg2rad(self.model.cam_fovy[self.camera])
+            f = 0.5 * size / np.tan(0.5 * fovy)
+            c = 0.5 * (size - 1)
+            v, u = np.mgrid[0:size, 0:size].astype(np.float64)  # (H, W) row and column of every pixel
+            self._ray_x, self._ray_y = (u - c) / f, (v - c) / f
+            self._renderer = mujoco.Renderer(self.model, size, size)
+            flags = self._renderer.scene.flags
+            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
+            flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = False
+        return self._renderer
+
+    def _render_rgb(self) -> np.ndarray:
+        """Render the camera's image into ``_rgb`` (rotated upright); returns the raw (unrotated) frame."""
+        r = self._camera()
+        r.update_scene(self.data, self.camera)
+        raw = r.render()
+        self._rgb[:] = raw[::-1, ::-1]
+        return raw
+
+    def _render_obs(self) -> None:
+        """Render ``rgb`` and depth with the one renderer, then build ``points`` (into cached arrays)."""
+        raw = self._render_rgb()
+        r = self._renderer
+        r.enable_depth_rendering()
+        r.render(out=self._depth)
+        r.disable_depth_rendering()
+        d = self.data
+        world_from_cam = np.eye(4)  # MuJoCo's camera looks along -z with y up; the pinhole frame is x right, y down
+        world_from_cam[:3, :3] = d.cam_xmat[self.camera].reshape(3, 3) @ np.diag([1.0, -1.0, -1.0])
+        world_from_cam[:3, 3] = d.cam_xpos[self.camera]
+        pts = depth_to_points(self._depth, self._ray_x, self._ray_y, world_from_cam, DEPTH_TRUNC, raw)  # (M, 6)
+        keep = np.all((pts[:, :3] >= POINT_BOX_LOW) & (pts[:, :3] <= POINT_BOX_HIGH), axis=1)
+        pts = voxel_downsample(pts[keep], self.point_voxel)  # (V, 6)
+        n, count = self.n_points, len(pts)
+        if count == 0:
+            self._points[:, :3] = 0.5 * (POINT_BOX_LOW + POINT_BOX_HIGH)
+            self._points[:, 3:] = 0.0
+        elif count >= n:
+            self._points[:] = pts[self.np_random.choice(count, n, replace=False)]
+        else:
+            self._points[:count] = pts
+            self._points[count:] = pts[np.arange(n - count) % count]
+        if not self.point_colors:
+            self._points[:, 3:] = 0.0
+        self._obs_age = 0
+        self._force_obs = False
+
+
+class MetaWorldExpert:
+    """Meta-World's own scripted policy for the env's task (``metaworld.policies``), reading its 39-D state.
+
+    Its actions are in [-1, 1] (clipped); ``seed`` is accepted for the common expert interface and unused
+    (the scripted policies are deterministic).
+    """
+
+    def __init__(self, env: gym.Env, seed: int | None = None) -> None:
+        import_metaworld()
+        from metaworld.policies import ENV_POLICY_MAP
+
+        self.env = env.unwrapped
+        self.policy = ENV_POLICY_MAP[f"{self.env.task}-v3"]()
+
+    def act(self, env: gym.Env | None = None) -> np.ndarray:
+        """The expert's action (4,) float32 for the env's current state."""
+        import warnings
+
+        with warnings.catch_warnings():  # "Constant(s) may be too high": the env clips, as the policy says
+            warnings.simplefilter("ignore", UserWarning)
+            action = self.policy.get_action(self.env.full_state)
+        return np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
