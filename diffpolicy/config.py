@@ -851,9 +851,9 @@ class TrainConfig:
     reported figure, on seeds no choice reads."""
     eval_seed: int = TEST_SEED
     """First test seed (:data:`TEST_SEED`; disjoint from demonstration, validation and training seeds)."""
-    val_episodes: int = 100
+    val_episodes: int | None = None
     """Validation episodes (seeds ``val_seed + i``) evaluated beside the test ones: the figure every choice
-    (a setting, a sweep, a round count) is made on; 0 skips them."""
+    (a setting, a sweep, a round count) is made on; null: as many as ``eval_episodes``; 0 skips them."""
     val_seed: int = VAL_SEED
     """First validation seed (:data:`VAL_SEED`)."""
     eval_deterministic: bool = False
@@ -875,6 +875,8 @@ class TrainConfig:
         _positive("checkpoint_every", self.checkpoint_every)
         _positive("eval_episodes", self.eval_episodes)
         _positive("video_episodes", self.video_episodes, allow_zero=True)
+        if self.val_episodes is None:
+            self.val_episodes = self.eval_episodes
         check_splits(self.val_seed, self.val_episodes, self.eval_seed, self.eval_episodes)
         self.algo = as_learner(self.algo)
         if isinstance(self.algo, PPOConfig) and isinstance(self.env, EnvConfig):

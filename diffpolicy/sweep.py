@@ -3,7 +3,8 @@
 ``python -m diffpolicy.train -m algo.lr=1e-5,3e-5 seed=0,1`` runs every combination in its own directory
 under ``runs/multirun/<date>/<job>/``, each with its ``summary.json`` and Hydra's ``.hydra/overrides.yaml``.
 This command finds them under DIR (default: the newest sweep in ``runs/multirun``), prints a Markdown
-table (one row per job: its overrides, then the summary's numbers) and, last, the rows as one JSON line.
+table (one row per job: its overrides, then the summary's numbers, the validation split's as ``val_*``
+columns: choose on those, the top-level figures are the test split's) and, last, the rows as one JSON line.
 Jobs that did not finish are listed with ``status: missing``.
 """
 
@@ -38,7 +39,11 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"job": job.name, **_overrides(job)}
         summary = job / "summary.json"
         if summary.is_file():
-            row.update(json.loads(summary.read_text()))
+            data = json.loads(summary.read_text())
+            row.update(data)
+            # the validation figures as columns of their own: a sweep's choice reads these, not the test ones
+            for key, value in (data.get("val") or {}).items():
+                row[f"val_{key}"] = value
             row["status"] = "done"
         else:
             row["status"] = "missing"

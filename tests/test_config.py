@@ -19,10 +19,14 @@ def test_defaults_are_valid() -> None:
         cls()  # __post_init__ accepts its own defaults
 
 
+REQUIRED_OVERRIDES = {"env/metaworld": ["env.task=reach"]}
+"""Entries that need one more value to compose (env=metaworld names its task; without it: a one-line error)."""
+
+
 @pytest.mark.parametrize("group", sorted(C.GROUPS))
 def test_every_group_entry_composes(group: str, compose) -> None:
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
-        cfg = compose("train", [f"{group}={path.stem}"])
+        cfg = compose("train", [f"{group}={path.stem}", *REQUIRED_OVERRIDES.get(f"{group}/{path.stem}", [])])
         assert isinstance(getattr(cfg, group), C.GROUPS[group])
 
 
@@ -149,3 +153,19 @@ def test_clip_eps_final_follows_clip_eps_unless_set(compose) -> None:
         == 0.3
     )
     assert compose("train", ["algo=dppo"]).algo.clip_eps_final == 1e-2
+
+
+def test_validation_and_test_seeds_are_disjoint_ranges() -> None:
+    """Choices read validation seeds, the figure is reported on test seeds: the two never overlap."""
+    cfg = C.TrainConfig(eval_episodes=50)
+    assert (cfg.val_seed, cfg.val_episodes, cfg.eval_seed) == (C.VAL_SEED, 50, C.TEST_SEED)
+    assert C.TrainConfig(eval_episodes=50, val_episodes=0).val_episodes == 0
+    with pytest.raises(ValueError, match="overlap the test seeds"):
+        C.TrainConfig(val_seed=C.TEST_SEED + 10, eval_episodes=20)
+    with pytest.raises(ValueError, match="overlap the test seeds"):
+        C.PretrainConfig(eval_episodes=10, val_episodes=10, val_seed=C.TEST_SEED - 5)
+    # evaluate names its split; reachability chooses exploration settings, so it needs validation seeds
+    assert C.EvaluateConfig(checkpoint="x").eval_seed == C.TEST_SEED
+    assert C.EvaluateConfig(checkpoint="x", split="val").eval_seed == C.VAL_SEED
+    with pytest.raises(ValueError, match="add split=val"):
+        C.EvaluateConfig(checkpoint="x", reachability_tries=4)

@@ -42,7 +42,9 @@ def test_points_match_the_open3d_frames() -> None:
         env.close()
     for cloud, golden in zip(frames, want):
         nearest = np.linalg.norm(golden[:, None, :] - cloud[None, :, :], axis=-1).min(axis=1)  # (512,)
-        assert nearest.max() < 1e-6
+        # MuJoCo releases' depth buffers differ by up to ~4e-5 m here (3.3.0, which the metaworld extra pins,
+        # against the release the frames were recorded with); a wrong intrinsic or pose is off by millimetres
+        assert nearest.max() < 1e-4
 
 
 def test_depth_to_points_back_projects_pixels() -> None:

@@ -28,6 +28,15 @@ def test_collects_rows_and_marks_missing(tmp_path: Path) -> None:
     assert text.splitlines()[0].startswith("| job | algo.lr | seed |") and "missing" in text
 
 
+def test_validation_figures_are_columns_of_their_own(tmp_path: Path) -> None:
+    """A sweep chooses on validation: the summary's ``val`` block becomes ``val_*`` columns in the table."""
+    for i, (val, test) in enumerate([(0.9, 0.7), (0.6, 0.8)]):
+        _job(tmp_path, f"{i}", [f"seed={i}"], {"ppo_success_rate": test, "val": {"ppo_success_rate": val}})
+    rows = collect(tmp_path)
+    assert [(r["val_ppo_success_rate"], r["ppo_success_rate"]) for r in rows] == [(0.9, 0.7), (0.6, 0.8)]
+    assert "val_ppo_success_rate" in table(rows).splitlines()[0]
+
+
 def test_cli_prints_table_then_json(tmp_path: Path) -> None:
     _job(tmp_path, "0", ["seed=1"], {"ppo_success_rate": 1.0})
     out = subprocess.run(

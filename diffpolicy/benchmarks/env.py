@@ -18,6 +18,16 @@ and, over ``state_steps`` steps with a pre-drawn sequence of random actions (no 
 | ``physics_sps`` | the same steps' physics alone: the recorded controls replayed with ``mujoco.mj_step`` (20 substeps per step) from the same states on the same model |
 | ``state_over_physics`` | time of a state step over the time of its physics: the median over repeats of the paired ratio |
 
+and, when the ``metaworld`` extra is installed, Meta-World (``metaworld_task``, default stick-pull; random
+actions, so episodes run to the 200-step limit):
+
+| key | what |
+|---|---|
+| ``metaworld_state_sps`` | ``obs_mode="state"`` (its 39-D vector; no rendering) |
+| ``metaworld_replan_sps`` | multimodal, the camera (rgb + depth -> points) rendered every ``obs_every`` steps |
+| ``metaworld_full_sps`` | multimodal, rendered every step |
+| ``metaworld_replan_over_state`` | a replan-rendered step's time over a state step's: median of paired repeats |
+
 Each repeat times the env and its physics replay back to back, so a load change on a shared machine moves
 both; the ratio is the Python overhead of a step on top of its physics.
 
@@ -28,6 +38,7 @@ Targets: ``full_obs_sps >= 70`` and ``replan_obs_sps >= 230`` on one core (issue
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -89,9 +100,8 @@ def _state_and_physics(steps: int, repeats: int, seed: int) -> dict[str, float]:
         segments: list = []
 
         def new_segment() -> None:
-            if record:
-                segments.append((m.body_pos[u.tray_body].copy(), mujoco.MjData(m), []))
-                mujoco.mj_copyData(segments[-1][1], m, u.data)
+            if record:  # copy.copy of an MjData copies its state (mj_copyData is not in every MuJoCo release)
+                segments.append((m.body_pos[u.tray_body].copy(), copy.copy(u.data), []))
 
         env.reset(seed=episode_seed)
         new_segment()
@@ -105,25 +115,24 @@ def _state_and_physics(steps: int, repeats: int, seed: int) -> dict[str, float]:
                 new_segment()
         return time.perf_counter() - start, segments
 
-    def run_physics(segments: list, scratch: mujoco.MjData) -> float:
-        """Seconds to replay ``segments`` with ``mj_step`` alone."""
+    def run_physics(segments: list) -> tuple[float, mujoco.MjData]:
+        """Seconds to replay ``segments`` with ``mj_step`` alone, and the last segment's final data."""
+        copies = [copy.copy(data) for _, data, _ in segments]  # untimed: fresh copies of the start states
         start = time.perf_counter()
-        for tray, data, controls in segments:
+        for (tray, _, controls), scratch in zip(segments, copies):
             m.body_pos[u.tray_body] = tray
-            mujoco.mj_copyData(scratch, m, data)
             for ctrl in controls:
                 scratch.ctrl[:] = ctrl
                 mujoco.mj_step(m, scratch, nstep=N_SUBSTEPS)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, copies[-1]
 
-    scratch = mujoco.MjData(m)
     state_rates, physics_rates, ratios = [], [], []
     try:
         run_env(seed, record=False)  # warm-up
         for r in range(repeats):
             env_time, _ = run_env(seed + r, record=False)
             _, segments = run_env(seed + r, record=True)  # untimed: the same episodes' physics inputs
-            physics_time = run_physics(segments, scratch)
+            physics_time, scratch = run_physics(segments)
             # The replay is the env's physics only if it ends where the env did.
             if not np.array_equal(scratch.qpos, u.data.qpos):
                 raise RuntimeError("physics replay diverged from the environment's trajectory")
@@ -136,6 +145,27 @@ def _state_and_physics(steps: int, repeats: int, seed: int) -> dict[str, float]:
         "state_sps": float(statistics.median(state_rates)),
         "physics_sps": float(statistics.median(physics_rates)),
         "state_over_physics": float(statistics.median(ratios)),
+    }
+
+
+def _metaworld(task: str, steps: int, repeats: int, seed: int, obs_every: int, **common: Any) -> dict[str, Any]:
+    """The Meta-World rows (module docstring); ``{}`` with a note when the extra is not installed."""
+    try:
+        import metaworld  # noqa: F401
+    except ImportError:
+        return {"metaworld": "not installed (pip install -e '.[metaworld]')"}
+    env_id = "diffpolicy_envs:MetaWorld-v0"
+    state, replan, ratios = [], [], []
+    for r in range(repeats):  # paired: a load change on a shared machine moves both
+        s = _steps_per_second(env_id, steps, 1, seed + r, task=task, obs_mode="state")
+        m = _steps_per_second(env_id, steps, 1, seed + r, task=task, obs_every=obs_every, **common)
+        state, replan, ratios = state + [s], replan + [m], ratios + [s / m]
+    return {
+        "metaworld_task": task,
+        "metaworld_state_sps": float(statistics.median(state)),
+        "metaworld_replan_sps": float(statistics.median(replan)),
+        "metaworld_full_sps": _steps_per_second(env_id, steps, repeats, seed, task=task, obs_every=1, **common),
+        "metaworld_replan_over_state": float(statistics.median(ratios)),
     }
 
 
@@ -172,6 +202,7 @@ def run(
         "state_obs_sps": _steps_per_second(pick, steps, repeats, seed, obs_mode="state"),
         "obstacle_reach_sps": _steps_per_second("diffpolicy_envs:ObstacleReach-v0", steps, repeats, seed),
         **_state_and_physics(state_steps, repeats, seed),
+        **_metaworld("stick-pull", 4 * steps, repeats, seed, obs_every, **common),
         "steps": steps,
         "state_steps": state_steps,
         "repeats": repeats,

@@ -24,9 +24,10 @@ by repetition when fewer remain. As DP3 does, ``corner2`` is moved to (0.6, 0.29
 view (``camera_pos``; null keeps the model's pose). The camera is mounted upside down in Meta-World's model:
 ``rgb`` is rotated by 180 degrees so the table is at the bottom of the image (the points do not depend on it).
 
-Rendering is what costs (84 x 84 on one core, Mesa: an RGB frame 80 ms with MuJoCo's shadows and
-reflections, ~12 ms without them, as here; depth ~6 ms; a physics step ~0.9 ms). One ``mujoco.Renderer``
-is reused, and with ``obs_every = k`` the camera is rendered only on every k-th step after a reset (at the
+Rendering is what costs (84 x 84 on one core, Mesa's software rasteriser: an RGB frame through
+``mujoco.Renderer`` 80 ms with shadows, reflections and multisampling; depth another 6 ms; a step ~0.6 ms).
+One offscreen context (:class:`_Camera`) draws each frame once, without them, and reads image and depth
+from that one draw; and with ``obs_every = k`` the camera is rendered only on every k-th step after a reset (at the
 steps where a policy executing k actions per decision looks), the last ``rgb``/``points`` repeated in
 between (``info["obs_age"]``; ``request_obs()`` forces a render on the next step).
 
@@ -223,7 +224,7 @@ class MetaWorldEnv(gym.Env):
             obs_spaces["points"] = spaces.Box(-np.inf, np.inf, (self.n_points, 6), np.float32)
             obs_spaces["instruction"] = spaces.Text(max_length=128, charset="abcdefghijklmnopqrstuvwxyz -")
         self.observation_space = spaces.Dict(obs_spaces)
-        self._renderer: mujoco.Renderer | None = None
+        self._renderer: _Camera | None = None
         self._rgb = np.zeros((self.image_size, self.image_size, 3), np.uint8)
         self._depth = np.zeros((self.image_size, self.image_size), np.float32)
         self._points = np.zeros((self.n_points, 6), np.float32)
@@ -330,9 +331,8 @@ class MetaWorldEnv(gym.Env):
             "instruction": self.instruction,
         }
 
-    def _camera(self) -> mujoco.Renderer:
-        """The one renderer (shadows and reflections off: 80 -> ~12 ms a frame in software) and the pixel
-        ray slopes of the camera's pinhole intrinsics."""
+    def _camera(self) -> _Camera:
+        """The one camera renderer, made on first use, and the pixel ray slopes of its pinhole intrinsics."""
         if self._renderer is None:
             size = self.image_size
             fovy = np.deg2rad(self.model.cam_fovy[self.camera])
@@ -340,27 +340,18 @@ class MetaWorldEnv(gym.Env):
             c = 0.5 * (size - 1)
             v, u = np.mgrid[0:size, 0:size].astype(np.float64)  # (H, W) row and column of every pixel
             self._ray_x, self._ray_y = (u - c) / f, (v - c) / f
-            self._renderer = mujoco.Renderer(self.model, size, size)
-            flags = self._renderer.scene.flags
-            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
-            flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = False
+            self._renderer = _Camera(self.model, self.camera, size)
         return self._renderer
 
     def _render_rgb(self) -> np.ndarray:
-        """Render the camera's image into ``_rgb`` (rotated upright); returns the raw (unrotated) frame."""
-        r = self._camera()
-        r.update_scene(self.data, self.camera)
-        raw = r.render()
+        """Render the camera into ``_rgb`` (rotated upright) and ``_depth``; returns the unrotated frame."""
+        raw = self._camera().render(self.data, self._depth)
         self._rgb[:] = raw[::-1, ::-1]
         return raw
 
     def _render_obs(self) -> None:
-        """Render ``rgb`` and depth with the one renderer, then build ``points`` (into cached arrays)."""
+        """Render ``rgb`` and depth in one pass, then build ``points`` (into cached arrays)."""
         raw = self._render_rgb()
-        r = self._renderer
-        r.enable_depth_rendering()
-        r.render(out=self._depth)
-        r.disable_depth_rendering()
         d = self.data
         world_from_cam = np.eye(4)  # MuJoCo's camera looks along -z with y up; the pinhole frame is x right, y down
         world_from_cam[:3, :3] = d.cam_xmat[self.camera].reshape(3, 3) @ np.diag([1.0, -1.0, -1.0])
@@ -381,6 +372,54 @@ class MetaWorldEnv(gym.Env):
             self._points[:, 3:] = 0.0
         self._obs_age = 0
         self._force_obs = False
+
+
+class _Camera:
+    """One camera's RGB and depth from a single offscreen render (MuJoCo's public ``mjr_*`` API).
+
+    ``mujoco.Renderer`` draws the scene once for the image and once more for depth; reading both buffers of
+    one draw halves the cost, which is the mesh count (Meta-World's Sawyer: ~68 k faces), not the pixels.
+    Multisampling, shadows and reflections are off (84 x 84 in Mesa's software rasteriser: ~18 ms -> ~8 ms an
+    image). ``render`` returns (H, W, 3) uint8 with the top row first and writes metric depth (m) into
+    ``depth``.
+    """
+
+    def __init__(self, model: mujoco.MjModel, camera: int, size: int) -> None:
+        model.vis.quality.offsamples = 0  # no multisampling (read when the context is made)
+        self.model = model
+        self.gl = mujoco.GLContext(size, size)
+        self.gl.make_current()
+        self.context = mujoco.MjrContext(model, mujoco.mjtFontScale.mjFONTSCALE_150)
+        mujoco.mjr_setBuffer(mujoco.mjtFramebuffer.mjFB_OFFSCREEN, self.context)
+        self.scene = mujoco.MjvScene(model, maxgeom=2000)
+        self.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
+        self.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = False
+        self.cam = mujoco.MjvCamera()
+        self.cam.type = mujoco.mjtCamera.mjCAMERA_FIXED
+        self.cam.fixedcamid = camera
+        self.option, self.perturb = mujoco.MjvOption(), mujoco.MjvPerturb()
+        self.rect = mujoco.MjrRect(0, 0, size, size)
+        self._rgb = np.zeros((size, size, 3), np.uint8)  # bottom row first, as OpenGL reads
+        self._z = np.zeros((size, size), np.float32)  # depth buffer in [0, 1]
+        extent = model.stat.extent
+        self.near, self.far = model.vis.map.znear * extent, model.vis.map.zfar * extent
+
+    def render(self, data: mujoco.MjData, depth: np.ndarray) -> np.ndarray:
+        self.gl.make_current()
+        mujoco.mjv_updateScene(
+            self.model, data, self.option, self.perturb, self.cam, mujoco.mjtCatBit.mjCAT_ALL, self.scene
+        )
+        mujoco.mjr_render(self.rect, self.scene, self.context)
+        mujoco.mjr_readPixels(self._rgb, self._z, self.rect, self.context)
+        z = self._z[::-1]  # (H, W) top row first
+        depth[:] = self.near / (1.0 - z * (1.0 - self.near / self.far))  # the z-buffer -> distance (m)
+        return self._rgb[::-1]
+
+    def close(self) -> None:
+        if self.gl is not None:
+            self.context.free()
+            self.gl.free()
+            self.gl = None
 
 
 class MetaWorldExpert:

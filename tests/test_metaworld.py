@@ -1,0 +1,160 @@
+"""env=metaworld: the adapter's observations, seeding and time limit, Meta-World's scripted experts as
+demonstrators, the config's errors, and a tiny collect -> BC -> fine-tuning -> evaluation run from an empty
+cache through the command line (the metaworld extra is in dev, so CI runs all of it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+pytest.importorskip("metaworld", reason="the metaworld extra is not installed")
+
+from diffpolicy_envs.experts import make_expert  # noqa: E402
+from diffpolicy_envs.meta_world import (  # noqa: E402
+    INSTRUCTIONS,
+    POINT_BOX_HIGH,
+    POINT_BOX_LOW,
+    TASKS,
+    MetaWorldEnv,
+    task_name,
+)
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = MetaWorldEnv("reach", image_size=48, n_points=128)
+    yield e
+    e.close()
+
+
+def test_every_v3_task_has_a_sentence_and_an_expert() -> None:
+    from metaworld.env_dict import ALL_V3_ENVIRONMENTS
+    from metaworld.policies import ENV_POLICY_MAP
+
+    assert {f"{t}-v3" for t in TASKS} == set(ALL_V3_ENVIRONMENTS) and len(TASKS) == 50
+    assert {f"{t}-v3" for t in TASKS} <= set(ENV_POLICY_MAP)
+    assert len(set(INSTRUCTIONS.values())) == 50  # one sentence per task, no two alike
+    assert task_name("stick-pull-v3") == task_name("stick-pull") == "stick-pull"
+    with pytest.raises(ValueError, match="unknown Meta-World task 'stick-pul'"):
+        task_name("stick-pul")
+
+
+def test_observations_follow_the_convention(env: MetaWorldEnv) -> None:
+    obs, info = env.reset(seed=3)
+    assert env.observation_space.contains(obs)
+    assert obs["rgb"].shape == (48, 48, 3) and obs["rgb"].dtype == np.uint8 and obs["rgb"].std() > 5
+    pts = obs["points"]
+    assert pts.shape == (128, 6) and pts.dtype == np.float32
+    assert np.all(pts[:, :3] >= POINT_BOX_LOW - 1e-6) and np.all(pts[:, :3] <= POINT_BOX_HIGH + 1e-6)
+    assert np.all((pts[:, 3:] >= 0) & (pts[:, 3:] <= 1)) and pts[:, 3:].std() > 0.01  # coloured
+    assert obs["instruction"] == INSTRUCTIONS["reach"] == info["instruction"]
+    # proprioception only: the hand (Meta-World's own 39-D vector starts with it), no object pose
+    assert obs["state"].shape == (9,)
+    np.testing.assert_allclose(obs["state"][:3], env.full_state[:3], atol=0.06)
+    assert info["outcome"] == "never_reached" and not info["is_success"]
+
+
+def test_seeded_resets_repeat_and_differ(env: MetaWorldEnv) -> None:
+    a, _ = env.reset(seed=11)
+    s_a, p_a = env.full_state.copy(), a["points"].copy()
+    env.reset(seed=12)
+    s_b = env.full_state.copy()
+    b, _ = env.reset(seed=11)
+    np.testing.assert_array_equal(env.full_state, s_a)
+    np.testing.assert_array_equal(b["points"], p_a)
+    assert not np.allclose(s_a[-3:], s_b[-3:])  # another goal placement
+
+
+def test_camera_renders_every_kth_step_only() -> None:
+    e = MetaWorldEnv("reach", image_size=32, n_points=64, obs_every=4)
+    try:
+        e.reset(seed=0)
+        ages = [e.step(np.array([0.5, 0.0, 0.0, 0.0]))[4]["obs_age"] for _ in range(8)]
+        assert ages == [1, 2, 3, 0, 1, 2, 3, 0]
+        e.request_obs()
+        assert e.step(np.zeros(4))[4]["obs_age"] == 0
+    finally:
+        e.close()
+
+
+def test_state_mode_is_metaworlds_vector_and_time_limit_truncates() -> None:
+    e = MetaWorldEnv("reach", obs_mode="state", time_limit=5)
+    try:
+        obs, _ = e.reset(seed=0)
+        assert set(obs) == {"state"} and obs["state"].shape == (39,)
+        for t in range(5):
+            _, _, term, trunc, info = e.step(np.zeros(4, np.float32))
+        assert (term, trunc, t) == (False, True, 4) and info["outcome"] in ("never_reached", "timed_out")
+        with pytest.raises(ValueError, match="shape"):
+            e.step(np.zeros(3))
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("task", ["reach", "button-press"])
+def test_scripted_expert_succeeds_and_the_episode_ends_on_success(task: str) -> None:
+    env = gym.make("diffpolicy_envs:MetaWorld-v0", task=task, obs_mode="state")
+    expert = make_expert(env)
+    try:
+        for seed in range(2):
+            env.reset(seed=seed)
+            for _ in range(200):
+                _, _, term, trunc, info = env.step(expert.act(env))
+                if term or trunc:
+                    break
+            assert term and info["is_success"] and info["outcome"] == "success", (task, seed)
+    finally:
+        env.close()
+
+
+def test_config_needs_a_known_task() -> None:
+    from diffpolicy.config import EnvConfig, TrainConfig
+
+    with pytest.raises(ValueError, match=r"env=metaworld needs env.task"):
+        EnvConfig(name="metaworld", id="diffpolicy_envs:MetaWorld-v0")
+    with pytest.raises(ValueError, match="unknown Meta-World task"):
+        EnvConfig(name="metaworld", id="diffpolicy_envs:MetaWorld-v0", task="pick")
+    cfg = TrainConfig(env=EnvConfig(name="metaworld", id="diffpolicy_envs:MetaWorld-v0", task="push-v3"))
+    # one recipe for every task, derived from env.name: DP3's 10 demonstrations, proprioception, the crop
+    assert cfg.env.task == "push" and cfg.bc.n_demos == 10 and cfg.bc.target_aux_weight == 0.0
+    assert cfg.policy.encoder.use_state and cfg.policy.encoder.workspace_low == [-0.7, 0.2, 0.0]
+
+
+def test_demonstrations_count_successes(tmp_path: Path) -> None:
+    """Without failures kept, n demonstrations are n successful episodes (seeds tried in order)."""
+    from diffpolicy.config import EnvConfig
+    from diffpolicy.demos import collect_demos
+
+    cfg = EnvConfig(name="metaworld", id="diffpolicy_envs:MetaWorld-v0", task="reach", obs_mode="state")
+    out = collect_demos(cfg, 2, seed=0, out=tmp_path / "demos")
+    assert out["n_kept"] == 2 and out["n_episodes"] >= 2 and out["success_rate"] > 0
+
+
+def test_tiny_metaworld_run(tmp_path: Path) -> None:
+    """The user's command with tiny sizes, from an empty cache: Meta-World's expert -> multimodal BC ->
+    one filtered_bc round -> validation and test evaluations, each split named in the summary."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "diffpolicy.train", "env=metaworld", "env.task=button-press",
+           "env.num_envs=2", "env.vectorization=sync", "env.image_size=32", "env.n_points=64",
+           "bc.n_demos=2", "bc.epochs=1", "policy.down_dims=[32,64]", "policy.ddim_steps=4",
+           "algo.iterations=1", "algo.round_episodes=2", "algo.bc_steps=2", "eval_episodes=2",
+           "video_episodes=0", "log.progress=false", "log.tensorboard=false",
+           f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["splits"]["test"] == {"first_seed": 1_000_000, "episodes": 2, "use": "reported figure"}
+    assert summary["splits"]["val"]["first_seed"] == 100_000 and summary["val"]["episodes"] == 2
+    assert 0.0 <= summary["ppo_success_rate"] <= 1.0 and summary["env_steps"] > 0
+    assert set(summary["failures"]["ppo"]) <= {"never_reached", "never_grasped", "timed_out"}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("val/success_rate" in r for r in rows) and any("eval/success_rate" in r for r in rows)
