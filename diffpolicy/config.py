@@ -35,7 +35,12 @@ def check_splits(val_seed: int, val_episodes: int, test_seed: int, test_episodes
     _positive("val_seed", val_seed, allow_zero=True)
     _positive("val_episodes", val_episodes, allow_zero=True)
     _positive("eval_seed", test_seed, allow_zero=True)
-    if val_episodes and test_episodes and val_seed < test_seed + test_episodes and test_seed < val_seed + val_episodes:
+    if (
+        val_episodes
+        and test_episodes
+        and val_seed < test_seed + test_episodes
+        and test_seed < val_seed + val_episodes
+    ):
         raise ValueError(
             f"validation seeds {val_seed}..{val_seed + val_episodes - 1} overlap the test seeds "
             f"{test_seed}..{test_seed + test_episodes - 1}; choose disjoint val_seed and eval_seed"

@@ -224,7 +224,12 @@ def demos_key(env_cfg: EnvConfig, n_episodes: int, seed: int) -> str:
 
     Without ``env.demo_failures`` the count is of successful episodes (:func:`collect_demos`), which the key
     says, so a dataset collected when it counted every episode is not reused."""
-    key: dict[str, Any] = {"env": _env_data_fields(env_cfg), "n": n_episodes, "seed": seed, "version": DEMOS_VERSION}
+    key: dict[str, Any] = {
+        "env": _env_data_fields(env_cfg),
+        "n": n_episodes,
+        "seed": seed,
+        "version": DEMOS_VERSION,
+    }
     if not env_cfg.demo_failures:
         key["count"] = "successes"
     blob = json.dumps(key, sort_keys=True, default=str)

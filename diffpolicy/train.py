@@ -298,7 +298,9 @@ def val_scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def split_summary(bc: dict[str, Any] | None, after: dict[str, Any] | None, goal: bool) -> dict[str, Any] | None:
+def split_summary(
+    bc: dict[str, Any] | None, after: dict[str, Any] | None, goal: bool
+) -> dict[str, Any] | None:
     """The validation split's figures, BC and after fine-tuning (None when it was skipped, or the BC
     evaluation comes from a checkpoint written before the split existed)."""
     if after is None:

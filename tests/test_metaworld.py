@@ -16,13 +16,14 @@ import pytest
 
 pytest.importorskip("metaworld", reason="the metaworld extra is not installed")
 
-from diffpolicy_envs.experts import make_expert  # noqa: E402
-from diffpolicy_envs.meta_world import (  # noqa: E402
+from diffpolicy_envs.experts import make_expert
+from diffpolicy_envs.meta_world import (
     INSTRUCTIONS,
     POINT_BOX_HIGH,
     POINT_BOX_LOW,
     TASKS,
     MetaWorldEnv,
+    farthest_points,
     task_name,
 )
 
@@ -89,9 +90,9 @@ def test_state_mode_is_metaworlds_vector_and_time_limit_truncates() -> None:
     try:
         obs, _ = e.reset(seed=0)
         assert set(obs) == {"state"} and obs["state"].shape == (39,)
-        for t in range(5):
-            _, _, term, trunc, info = e.step(np.zeros(4, np.float32))
-        assert (term, trunc, t) == (False, True, 4) and info["outcome"] in ("never_reached", "timed_out")
+        ends = [e.step(np.zeros(4, np.float32))[2:5] for _ in range(5)]
+        assert [(term, trunc) for term, trunc, _ in ends] == [(False, False)] * 4 + [(False, True)]
+        assert ends[-1][2]["outcome"] in ("never_reached", "never_grasped", "timed_out")
         with pytest.raises(ValueError, match="shape"):
             e.step(np.zeros(3))
     finally:
@@ -158,3 +159,28 @@ def test_tiny_metaworld_run(tmp_path: Path) -> None:
     assert set(summary["failures"]["ppo"]) <= {"never_reached", "never_grasped", "timed_out"}
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("val/success_rate" in r for r in rows) and any("eval/success_rate" in r for r in rows)
+
+
+def test_farthest_points_against_a_looped_reference() -> None:
+    rng = np.random.default_rng(0)
+    xyz = rng.normal(size=(300, 3))
+    got = farthest_points(xyz, 40, start=7)
+    want = [7]
+    for _ in range(39):  # the definition: the point whose nearest chosen point is farthest
+        d = [min(np.linalg.norm(xyz[j] - xyz[c]) for c in want) for j in range(len(xyz))]
+        want.append(int(np.argmax(d)))
+    assert got.tolist() == want and len(set(want)) == 40
+
+
+def test_the_first_frame_shows_objects_where_this_episode_put_them() -> None:
+    """assembly's peg is placed by moving its body in the model: the reset's frame must show it there (the
+    frame was once drawn before a forward pass, showing the previous episode's peg)."""
+    e = MetaWorldEnv("assembly", image_size=84, n_points=512)
+    try:
+        for seed in (0, 1, 2):
+            obs, _ = e.reset(seed=seed)
+            peg = e.full_state[36:38]  # the goal: the peg's x, y
+            near = np.linalg.norm(obs["points"][:, :2] - peg, axis=1) < 0.03
+            assert near.sum() >= 5, (seed, near.sum())
+    finally:
+        e.close()

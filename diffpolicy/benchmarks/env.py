@@ -148,7 +148,9 @@ def _state_and_physics(steps: int, repeats: int, seed: int) -> dict[str, float]:
     }
 
 
-def _metaworld(task: str, steps: int, repeats: int, seed: int, obs_every: int, **common: Any) -> dict[str, Any]:
+def _metaworld(
+    task: str, steps: int, repeats: int, seed: int, obs_every: int, **common: Any
+) -> dict[str, Any]:
     """The Meta-World rows (module docstring); ``{}`` with a note when the extra is not installed."""
     try:
         import metaworld  # noqa: F401
@@ -164,7 +166,9 @@ def _metaworld(task: str, steps: int, repeats: int, seed: int, obs_every: int, *
         "metaworld_task": task,
         "metaworld_state_sps": float(statistics.median(state)),
         "metaworld_replan_sps": float(statistics.median(replan)),
-        "metaworld_full_sps": _steps_per_second(env_id, steps, repeats, seed, task=task, obs_every=1, **common),
+        "metaworld_full_sps": _steps_per_second(
+            env_id, steps, repeats, seed, task=task, obs_every=1, **common
+        ),
         "metaworld_replan_over_state": float(statistics.median(ratios)),
     }
 

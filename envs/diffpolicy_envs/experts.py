@@ -20,6 +20,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from diffpolicy_envs.meta_world import MetaWorldEnv, MetaWorldExpert
 from diffpolicy_envs.mujoco_pick import (
     CUBE_HALF,
     FINGER_OPEN,
@@ -31,7 +32,6 @@ from diffpolicy_envs.mujoco_pick import (
     step_toward,
     tool_rotation,
 )
-from diffpolicy_envs.meta_world import MetaWorldEnv, MetaWorldExpert
 from diffpolicy_envs.obstacle_reach import ObstacleReachEnv
 
 OPEN, CLOSE = -1.0, 1.0

@@ -19,8 +19,8 @@ which carries the object poses (privileged: the state-only row of a table, not t
 ``points`` back-projects the depth image through the camera's pinhole intrinsics and pose
 (:func:`diffpolicy_envs.mujoco_pick.depth_to_points`), crops it to the workspace box
 :data:`POINT_BOX_LOW` .. :data:`POINT_BOX_HIGH` (which removes the table top, the floor and the walls),
-voxelises it (``point_voxel``, default 1 cm) and draws exactly N points (the env's seeded generator), padding
-by repetition when fewer remain. As DP3 does, ``corner2`` is moved to (0.6, 0.295, 0.8) so the table fills the
+voxelises it (``point_voxel``, default 1 cm) and draws exactly N points by farthest-point sampling from a
+start the env's seeded generator picks (``point_sampling``), padding by repetition when fewer remain. As DP3 does, ``corner2`` is moved to (0.6, 0.295, 0.8) so the table fills the
 view (``camera_pos``; null keeps the model's pose). The camera is mounted upside down in Meta-World's model:
 ``rgb`` is rotated by 180 degrees so the table is at the bottom of the image (the points do not depend on it).
 
@@ -35,7 +35,9 @@ Episodes: at most ``time_limit`` (200, DP3's protocol) control steps; ``info["is
 Meta-World's ``info["success"]``, and the episode terminates on the first success. ``info["outcome"]`` names
 how the episode would end now: ``success``; ``never_reached`` (the hand never came near the object),
 ``never_grasped`` (near it, but Meta-World never reported a grasp), ``timed_out`` (the rest) -- from
-Meta-World's own ``near_object`` and ``grasp_success`` flags. The reward is Meta-World's (v3 reward
+Meta-World's own ``near_object`` and ``grasp_success`` flags. ``info["target_pos"]`` (3,) m is the
+position of the object the task moves (the first object of Meta-World's vector): privileged, a training-time
+label only (BC's auxiliary target loss), never an observation of the multimodal policy. The reward is Meta-World's (v3 reward
 functions), whose terms Meta-World reports in ``info`` (``grasp_reward``, ``in_place_reward``, ...).
 Actions: 4-D in [-1, 1], the hand's displacement (x, y, z, scaled by 1 cm) and the gripper's effort.
 """
@@ -121,6 +123,19 @@ INSTRUCTIONS: dict[str, str] = {
 TASKS = tuple(INSTRUCTIONS)
 
 
+def farthest_points(xyz: np.ndarray, n: int, start: int) -> np.ndarray:
+    """Indices of ``n`` farthest-point samples of ``xyz`` (M, 3), M >= n, from row ``start``: each next point
+    is the one farthest from those chosen so far. Returns (n,) int64."""
+    chosen = np.empty(n, np.int64)
+    chosen[0] = start
+    dist = np.full(len(xyz), np.inf)
+    for i in range(1, n):
+        d = xyz - xyz[chosen[i - 1]]
+        np.minimum(dist, np.einsum("ij,ij->i", d, d), out=dist)
+        chosen[i] = int(dist.argmax())
+    return chosen
+
+
 def task_name(task: str) -> str:
     """``"stick-pull"`` or ``"stick-pull-v3"`` -> ``"stick-pull"``; ValueError naming the choices otherwise."""
     name = task[:-3] if task.endswith("-v3") else task
@@ -156,6 +171,8 @@ class MetaWorldEnv(gym.Env):
         n_points: points per cloud (N).
         point_colors: colour the points from ``rgb``; false leaves r, g, b at zero (DP3's xyz-only clouds).
         point_voxel: edge of the down-sampling voxels (m).
+        point_sampling: how N points are drawn from the voxels: ``fps`` (farthest-point sampling from a
+            seeded random start, as DP3: thin parts such as assembly's peg keep their points) or ``random``.
         obs_every: render ``rgb``/``points`` on every k-th step only, repeating them in between.
         time_limit: truncate after this many control steps (``gymnasium.make``'s ``max_episode_steps``
             wraps another time limit around it; the registration's is the same 200).
@@ -174,6 +191,7 @@ class MetaWorldEnv(gym.Env):
         n_points: int = 512,
         point_colors: bool = True,
         point_voxel: float = 0.01,
+        point_sampling: str = "fps",
         obs_every: int = 1,
         time_limit: int = 200,
         render_mode: str | None = None,
@@ -210,6 +228,9 @@ class MetaWorldEnv(gym.Env):
         self.n_points = int(n_points)
         self.point_colors = bool(point_colors)
         self.point_voxel = float(point_voxel)
+        if point_sampling not in ("fps", "random"):
+            raise ValueError(f"point_sampling={point_sampling!r} is not allowed; choose fps or random")
+        self.point_sampling = point_sampling
         self.obs_every = int(obs_every)
         self.time_limit = int(time_limit)
         self.render_mode = render_mode
@@ -242,6 +263,9 @@ class MetaWorldEnv(gym.Env):
         if seed is not None:
             self._env.seed(int(seed))  # Meta-World draws the placement from its own seeded generator
         obs, _ = self._env.reset()
+        # Meta-World places some objects by moving their bodies in the model (assembly's peg): without a
+        # forward pass the first frame would show them where the last episode had them
+        mujoco.mj_forward(self.model, self.data)
         self._full_state = np.asarray(obs, dtype=np.float64)
         self._elapsed, self._near, self._grasped = 0, False, False
         if self.obs_mode == "multimodal":
@@ -311,6 +335,7 @@ class MetaWorldEnv(gym.Env):
             "outcome": self._outcome(success),
             "instruction": self.instruction,
             "obs_age": self._obs_age,
+            "target_pos": self._full_state[4:7].astype(np.float32),
         }
 
     def _proprio(self) -> np.ndarray:
@@ -353,16 +378,22 @@ class MetaWorldEnv(gym.Env):
         """Render ``rgb`` and depth in one pass, then build ``points`` (into cached arrays)."""
         raw = self._render_rgb()
         d = self.data
-        world_from_cam = np.eye(4)  # MuJoCo's camera looks along -z with y up; the pinhole frame is x right, y down
+        world_from_cam = np.eye(
+            4
+        )  # MuJoCo's camera looks along -z with y up; the pinhole frame is x right, y down
         world_from_cam[:3, :3] = d.cam_xmat[self.camera].reshape(3, 3) @ np.diag([1.0, -1.0, -1.0])
         world_from_cam[:3, 3] = d.cam_xpos[self.camera]
-        pts = depth_to_points(self._depth, self._ray_x, self._ray_y, world_from_cam, DEPTH_TRUNC, raw)  # (M, 6)
+        pts = depth_to_points(
+            self._depth, self._ray_x, self._ray_y, world_from_cam, DEPTH_TRUNC, raw
+        )  # (M, 6)
         keep = np.all((pts[:, :3] >= POINT_BOX_LOW) & (pts[:, :3] <= POINT_BOX_HIGH), axis=1)
         pts = voxel_downsample(pts[keep], self.point_voxel)  # (V, 6)
         n, count = self.n_points, len(pts)
         if count == 0:
             self._points[:, :3] = 0.5 * (POINT_BOX_LOW + POINT_BOX_HIGH)
             self._points[:, 3:] = 0.0
+        elif count >= n and self.point_sampling == "fps":
+            self._points[:] = pts[farthest_points(pts[:, :3], n, int(self.np_random.integers(count)))]
         elif count >= n:
             self._points[:] = pts[self.np_random.choice(count, n, replace=False)]
         else:

@@ -1,0 +1,101 @@
+"""Multimodal BC on Meta-World tasks beside DP3's published table (Ze et al. 2024, RSS, Table XVIII).
+
+For each task, one ``python -m diffpolicy.pretrain env=metaworld env.task=<task>`` with the default
+configuration (the same for every task: 10 demonstrations of Meta-World's scripted policy, multimodal BC),
+evaluated once on ``--test`` test episodes (seeds 1 000 000 + i, noise-free: every DDIM step's mean) and on
+``--val`` validation episodes (100 000 + i). Each task's summary is appended to ``--out`` (JSON lines), so an
+interrupted table resumes where it stopped; the Markdown table (success with its Wilson interval, DP3's
+published figure, BC wall time) is printed last:
+
+    python scripts/metaworld_bc_table.py --tasks assembly box-close --out runs/metaworld_bc.jsonl
+
+DP3 reports the mean of the 5 best of 20 evaluations (20 episodes each) over 3 seeds: optimistic; a row here
+is one final evaluation of one seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PUBLISHED = {
+    "assembly": 99,
+    "box-close": 42,
+    "coffee-push": 94,
+    "stick-pull": 27,
+    "pick-place": 12,
+    "peg-insert-side": 69,
+    "hand-insert": 14,
+    "push": 51,
+    "shelf-place": 17,
+    "bin-picking": 34,
+}
+"""DP3's published success (%, 10 demonstrations, DP3 Table XVIII) on the ten tasks the table compares."""
+
+
+def run_task(task: str, test: int, val: int, cache: str, extra: list[str]) -> dict:
+    """One pretrain run of ``task``; its summary plus the task's name."""
+    cmd = [sys.executable, "-m", "diffpolicy.pretrain", "env=metaworld", f"env.task={task}",
+           f"eval_episodes={test}", f"val_episodes={val}", "log.progress=false", f"cache_dir={cache}",
+           f"hydra.run.dir=runs/metaworld_bc/{task}", *extra]  # fmt: skip
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"error: {task}: {out.stderr.strip().splitlines()[-1]}")
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"task": task, "total_s": round(time.perf_counter() - t0, 1), **summary}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| task | ours (test) | 95 % CI | val | DP3 | BC steps | BC min | total min |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        dp3 = PUBLISHED.get(r["task"])
+        ci = r.get("success_ci") or [None, None]
+        val = (r.get("val") or {}).get("success_rate")
+        lines.append(
+            f"| {r['task']} | {r['success_rate']:.2f} | [{ci[0]:.2f}, {ci[1]:.2f}] | "
+            f"{'' if val is None else f'{val:.2f}'} | {dp3} | {r['steps']} | "
+            f"{r['steps'] * r['s_per_step'] / 60:.1f} | {r['total_s'] / 60:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", nargs="+", default=list(PUBLISHED))
+    p.add_argument("--test", type=int, default=100, help="test episodes per task")
+    p.add_argument("--val", type=int, default=50, help="validation episodes per task")
+    p.add_argument("--out", default="runs/metaworld_bc.jsonl")
+    p.add_argument("--cache", default=os.environ.get("DIFFPOLICY_CACHE", "runs/cache"))
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every task (the same for all)")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = (
+        {json.loads(line)["task"]: json.loads(line) for line in out.read_text().splitlines()}
+        if out.is_file()
+        else {}
+    )
+    for task in args.tasks:
+        if task not in done:
+            done[task] = run_task(task, args.test, args.val, args.cache, args.overrides)
+            with out.open("a") as f:
+                f.write(json.dumps(done[task]) + "\n")
+            print(f"{task}: {done[task]['success_rate']:.2f}", flush=True)
+    rows = [done[t] for t in args.tasks]
+    print(table(rows))
+    ours = [r["success_rate"] * 100 for r in rows]
+    theirs = [PUBLISHED[t] for t in args.tasks if t in PUBLISHED]
+    print(json.dumps({"tasks": args.tasks, "mean_ours": round(sum(ours) / len(ours), 1),
+                      "mean_dp3": round(sum(theirs) / max(len(theirs), 1), 1),
+                      "at_or_above_dp3": sum(r["success_rate"] * 100 >= PUBLISHED.get(r["task"], 101) for r in rows)}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
