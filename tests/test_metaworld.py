@@ -184,3 +184,21 @@ def test_the_first_frame_shows_objects_where_this_episode_put_them() -> None:
             assert near.sum() >= 5, (seed, near.sum())
     finally:
         e.close()
+
+
+def test_target_label_is_the_object_or_the_goal() -> None:
+    """``info["target_pos"]`` (BC's auxiliary label, never an observation): the object's position by default,
+    the goal's with ``label="goal"``; both move with the seed."""
+    for label, part in (("object", slice(4, 7)), ("goal", slice(36, 39))):
+        e = MetaWorldEnv("push", obs_mode="state", label=label)
+        try:
+            labels = []
+            for seed in (0, 1):
+                _, info = e.reset(seed=seed)
+                np.testing.assert_allclose(info["target_pos"], e.full_state[part], atol=1e-6)
+                labels.append(info["target_pos"])
+            assert not np.allclose(*labels)
+        finally:
+            e.close()
+    with pytest.raises(ValueError, match="label"):
+        MetaWorldEnv("push", label="peg")

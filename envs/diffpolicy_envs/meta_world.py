@@ -36,8 +36,9 @@ Meta-World's ``info["success"]``, and the episode terminates on the first succes
 how the episode would end now: ``success``; ``never_reached`` (the hand never came near the object),
 ``never_grasped`` (near it, but Meta-World never reported a grasp), ``timed_out`` (the rest) -- from
 Meta-World's own ``near_object`` and ``grasp_success`` flags. ``info["target_pos"]`` (3,) m is the
-position of the object the task moves (the first object of Meta-World's vector): privileged, a training-time
-label only (BC's auxiliary target loss), never an observation of the multimodal policy. The reward is Meta-World's (v3 reward
+position of the object the task moves (the first object of Meta-World's vector; ``label="goal"``: the goal's)
+: privileged, a training-time label only (BC's auxiliary target loss), never an observation of the
+multimodal policy. The reward is Meta-World's (v3 reward
 functions), whose terms Meta-World reports in ``info`` (``grasp_reward``, ``in_place_reward``, ...).
 Actions: 4-D in [-1, 1], the hand's displacement (x, y, z, scaled by 1 cm) and the gripper's effort.
 """
@@ -173,6 +174,8 @@ class MetaWorldEnv(gym.Env):
         point_voxel: edge of the down-sampling voxels (m).
         point_sampling: how N points are drawn from the voxels: ``fps`` (farthest-point sampling from a
             seeded random start, as DP3: thin parts such as assembly's peg keep their points) or ``random``.
+        label: what ``info["target_pos"]`` holds: ``object`` (the first object's position) or ``goal``
+            (the goal's: where the object must go, e.g. assembly's peg).
         obs_every: render ``rgb``/``points`` on every k-th step only, repeating them in between.
         time_limit: truncate after this many control steps (``gymnasium.make``'s ``max_episode_steps``
             wraps another time limit around it; the registration's is the same 200).
@@ -192,6 +195,7 @@ class MetaWorldEnv(gym.Env):
         point_colors: bool = True,
         point_voxel: float = 0.01,
         point_sampling: str = "fps",
+        label: str = "object",
         obs_every: int = 1,
         time_limit: int = 200,
         render_mode: str | None = None,
@@ -231,6 +235,9 @@ class MetaWorldEnv(gym.Env):
         if point_sampling not in ("fps", "random"):
             raise ValueError(f"point_sampling={point_sampling!r} is not allowed; choose fps or random")
         self.point_sampling = point_sampling
+        if label not in ("object", "goal"):
+            raise ValueError(f"label={label!r} is not allowed; choose object or goal")
+        self._label = slice(4, 7) if label == "object" else slice(36, 39)
         self.obs_every = int(obs_every)
         self.time_limit = int(time_limit)
         self.render_mode = render_mode
@@ -335,7 +342,7 @@ class MetaWorldEnv(gym.Env):
             "outcome": self._outcome(success),
             "instruction": self.instruction,
             "obs_age": self._obs_age,
-            "target_pos": self._full_state[4:7].astype(np.float32),
+            "target_pos": self._full_state[self._label].astype(np.float32),
         }
 
     def _proprio(self) -> np.ndarray:
