@@ -124,7 +124,7 @@ def test_config_needs_a_known_task() -> None:
         EnvConfig(name="metaworld", id="diffpolicy_envs:MetaWorld-v0", task="pick")
     cfg = TrainConfig(env=EnvConfig(name="metaworld", id="diffpolicy_envs:MetaWorld-v0", task="push-v3"))
     # one recipe for every task, derived from env.name: DP3's 10 demonstrations, proprioception, the crop
-    assert cfg.env.task == "push" and cfg.bc.n_demos == 10 and cfg.bc.target_aux_weight == 0.0
+    assert cfg.env.task == "push" and cfg.bc.n_demos == 10 and cfg.bc.target_aux_weight == 1.0
     assert cfg.policy.encoder.use_state and cfg.policy.encoder.workspace_low == [-0.7, 0.2, 0.0]
 
 
