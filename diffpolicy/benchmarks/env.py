@@ -157,11 +157,11 @@ def _metaworld(
     except ImportError:
         return {"metaworld": "not installed (pip install -e '.[metaworld]')"}
     env_id = "diffpolicy_envs:MetaWorld-v0"
-    state, replan, ratios = [], [], []
+    state, replan = [], []
     for r in range(repeats):  # paired: a load change on a shared machine moves both
-        s = _steps_per_second(env_id, steps, 1, seed + r, task=task, obs_mode="state")
-        m = _steps_per_second(env_id, steps, 1, seed + r, task=task, obs_every=obs_every, **common)
-        state, replan, ratios = state + [s], replan + [m], ratios + [s / m]
+        state.append(_steps_per_second(env_id, steps, 1, seed + r, task=task, obs_mode="state"))
+        replan.append(_steps_per_second(env_id, steps, 1, seed + r, task=task, obs_every=obs_every, **common))
+    ratios = [s / m for s, m in zip(state, replan)]
     return {
         "metaworld_task": task,
         "metaworld_state_sps": float(statistics.median(state)),

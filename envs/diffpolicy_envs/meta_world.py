@@ -55,7 +55,13 @@ import mujoco
 import numpy as np
 from gymnasium import spaces
 
-from diffpolicy_envs.mujoco_pick import depth_to_points, voxel_downsample
+from diffpolicy_envs.mujoco_pick import (
+    CameraSchedule,
+    camera_pose,
+    depth_to_points,
+    fill_cloud,
+    pinhole_rays,
+)
 
 POINT_BOX_LOW = np.array([-0.7, 0.2, 0.005])
 """Workspace crop, world frame (m): the table top lies at z = 0, just below the box."""
@@ -159,7 +165,7 @@ def import_metaworld() -> Any:
     return env_dict
 
 
-class MetaWorldEnv(gym.Env):
+class MetaWorldEnv(CameraSchedule, gym.Env):
     """One Meta-World v3 task, randomised per seeded reset, with rgb / points / instruction / proprioception.
 
     Args:
@@ -319,15 +325,11 @@ class MetaWorldEnv(gym.Env):
         """Meta-World's 39-D observation after the last reset or step (what its scripted experts read)."""
         return self._full_state
 
-    def set_obs_every(self, k: int) -> None:
-        """Render the camera on every ``k``-th step (k >= 1)."""
-        if int(k) != k or k < 1:
-            raise ValueError(f"obs_every must be a positive integer, got {k!r}")
-        self.obs_every = int(k)
-
-    def request_obs(self) -> None:
-        """Render ``rgb``/``points`` on the next step whatever ``obs_every`` says."""
-        self._force_obs = True
+    def _choose_points(self, voxels: np.ndarray, n: int) -> np.ndarray:
+        """Indices of the ``n`` of the (V, 6) ``voxels`` kept: farthest-point or random sampling."""
+        if self.point_sampling == "fps":
+            return farthest_points(voxels[:, :3], n, int(self.np_random.integers(len(voxels))))
+        return self.np_random.choice(len(voxels), n, replace=False)
 
     def _outcome(self, success: bool) -> str:
         if success:
@@ -367,11 +369,7 @@ class MetaWorldEnv(gym.Env):
         """The one camera renderer, made on first use, and the pixel ray slopes of its pinhole intrinsics."""
         if self._renderer is None:
             size = self.image_size
-            fovy = np.deg2rad(self.model.cam_fovy[self.camera])
-            f = 0.5 * size / np.tan(0.5 * fovy)
-            c = 0.5 * (size - 1)
-            v, u = np.mgrid[0:size, 0:size].astype(np.float64)  # (H, W) row and column of every pixel
-            self._ray_x, self._ray_y = (u - c) / f, (v - c) / f
+            self._ray_x, self._ray_y = pinhole_rays(size, self.model.cam_fovy[self.camera])
             self._renderer = _Camera(self.model, self.camera, size)
         return self._renderer
 
@@ -384,28 +382,11 @@ class MetaWorldEnv(gym.Env):
     def _render_obs(self) -> None:
         """Render ``rgb`` and depth in one pass, then build ``points`` (into cached arrays)."""
         raw = self._render_rgb()
-        d = self.data
-        world_from_cam = np.eye(
-            4
-        )  # MuJoCo's camera looks along -z with y up; the pinhole frame is x right, y down
-        world_from_cam[:3, :3] = d.cam_xmat[self.camera].reshape(3, 3) @ np.diag([1.0, -1.0, -1.0])
-        world_from_cam[:3, 3] = d.cam_xpos[self.camera]
+        world_from_cam = camera_pose(self.data, self.camera)
         pts = depth_to_points(
             self._depth, self._ray_x, self._ray_y, world_from_cam, DEPTH_TRUNC, raw
         )  # (M, 6)
-        keep = np.all((pts[:, :3] >= POINT_BOX_LOW) & (pts[:, :3] <= POINT_BOX_HIGH), axis=1)
-        pts = voxel_downsample(pts[keep], self.point_voxel)  # (V, 6)
-        n, count = self.n_points, len(pts)
-        if count == 0:
-            self._points[:, :3] = 0.5 * (POINT_BOX_LOW + POINT_BOX_HIGH)
-            self._points[:, 3:] = 0.0
-        elif count >= n and self.point_sampling == "fps":
-            self._points[:] = pts[farthest_points(pts[:, :3], n, int(self.np_random.integers(count)))]
-        elif count >= n:
-            self._points[:] = pts[self.np_random.choice(count, n, replace=False)]
-        else:
-            self._points[:count] = pts
-            self._points[count:] = pts[np.arange(n - count) % count]
+        fill_cloud(self._points, pts, POINT_BOX_LOW, POINT_BOX_HIGH, self.point_voxel, self._choose_points)
         if not self.point_colors:
             self._points[:, 3:] = 0.0
         self._obs_age = 0

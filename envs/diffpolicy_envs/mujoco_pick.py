@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -296,11 +297,71 @@ def voxel_downsample(points: np.ndarray, voxel: float) -> np.ndarray:
     return sums / counts[:, None]
 
 
+def pinhole_rays(size: int, fovy_deg: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(ray_x, ray_y)``, each (H, W) with H = W = ``size``: (u - cx) / fx and (v - cy) / fy of every pixel
+    of a square pinhole camera with vertical field of view ``fovy_deg`` (degrees), u column, v row."""
+    f = 0.5 * size / np.tan(0.5 * np.deg2rad(fovy_deg))
+    c = 0.5 * (size - 1)
+    v, u = np.mgrid[0:size, 0:size].astype(np.float64)  # (H, W) row and column of every pixel
+    return (u - c) / f, (v - c) / f
+
+
+def camera_pose(data: mujoco.MjData, camera: int) -> np.ndarray:
+    """(4, 4) pose in the world of MuJoCo camera ``camera`` as a pinhole frame (x right, y down, z forward;
+    MuJoCo's camera looks along -z with y up)."""
+    world_from_cam = np.eye(4)
+    world_from_cam[:3, :3] = data.cam_xmat[camera].reshape(3, 3) @ np.diag([1.0, -1.0, -1.0])
+    world_from_cam[:3, 3] = data.cam_xpos[camera]
+    return world_from_cam
+
+
+def fill_cloud(
+    out: np.ndarray,
+    points: np.ndarray,
+    low: np.ndarray,
+    high: np.ndarray,
+    voxel: float,
+    choose: Callable[[np.ndarray, int], np.ndarray],
+) -> None:
+    """Crop ``points`` (M, C) to the box ``low`` .. ``high``, voxelise them (:func:`voxel_downsample`) and
+    write exactly N = len(``out``) of them into ``out`` (N, C): ``choose(voxels (V, C), N)`` picks the row
+    indices when V >= N; fewer are padded by repetition; none give N copies of the box centre, coloured black."""
+    keep = np.all((points[:, :3] >= low) & (points[:, :3] <= high), axis=1)
+    pts = voxel_downsample(points[keep], voxel)  # (V, C)
+    n, count = len(out), len(pts)
+    if count == 0:
+        out[:, :3] = 0.5 * (low + high)
+        out[:, 3:] = 0.0
+    elif count >= n:
+        out[:] = pts[choose(pts, n)]
+    else:
+        out[:count] = pts
+        out[count:] = pts[np.arange(n - count) % count]
+
+
+class CameraSchedule:
+    """``obs_every`` / ``request_obs`` of an environment that renders its camera on every k-th step only
+    (its step renders when ``elapsed % obs_every == 0`` or ``_force_obs`` is set)."""
+
+    obs_every: int = 1
+    _force_obs: bool = False
+
+    def set_obs_every(self, k: int) -> None:
+        """Render ``rgb``/``points`` on every k-th step after a reset only (k >= 1)."""
+        if int(k) != k or k < 1:
+            raise ValueError(f"obs_every must be a positive integer, got {k!r}")
+        self.obs_every = int(k)
+
+    def request_obs(self) -> None:
+        """Render ``rgb``/``points`` on the next step whatever ``obs_every`` says."""
+        self._force_obs = True
+
+
 def _asset_path(name: str) -> str:
     return str(resources.files("diffpolicy_envs") / "assets" / name)
 
 
-class MujocoPickEnv(gym.Env):
+class MujocoPickEnv(CameraSchedule, gym.Env):
     """Language-conditioned pick-and-place with a 6-joint arm; see the module docstring for the spaces.
 
     Args:
@@ -571,17 +632,6 @@ class MujocoPickEnv(gym.Env):
                 r.close()
         self._renderer = self._video_renderer = None
 
-    # ------------------------------------------------------------------------------------ extra controls
-    def set_obs_every(self, k: int) -> None:
-        """Render ``rgb``/``points`` on every k-th step after a reset only (k >= 1)."""
-        if int(k) != k or k < 1:
-            raise ValueError(f"obs_every must be a positive integer, got {k!r}")
-        self.obs_every = int(k)
-
-    def request_obs(self) -> None:
-        """Render ``rgb``/``points`` on the next step whatever ``obs_every`` says."""
-        self._force_obs = True
-
     # ------------------------------------------------------------------------- privileged scene queries
     def cube_pos(self, i: int) -> np.ndarray:
         """Position (3,) of cube i (m, base frame)."""
@@ -751,16 +801,10 @@ class MujocoPickEnv(gym.Env):
         the renderer and the per-pixel ray slopes of its pinhole intrinsics (``_ray_x``, ``_ray_y``)."""
         if self._renderer is None:
             size = self.image_size
-            fovy = np.deg2rad(self.model.cam_fovy[self.camera])
-            f = 0.5 * size / np.tan(0.5 * fovy)
-            c = 0.5 * (size - 1)
-            v, u = np.mgrid[0:size, 0:size].astype(np.float64)  # (H, W) row and column of every pixel
-            self._ray_x, self._ray_y = (u - c) / f, (v - c) / f
+            self._ray_x, self._ray_y = pinhole_rays(size, self.model.cam_fovy[self.camera])
             self._renderer = mujoco.Renderer(self.model, size, size)
         d = self.data
-        world_from_cam = np.eye(4)
-        world_from_cam[:3, :3] = d.cam_xmat[self.camera].reshape(3, 3) @ np.diag([1.0, -1.0, -1.0])
-        world_from_cam[:3, 3] = d.cam_xpos[self.camera]
+        world_from_cam = camera_pose(d, self.camera)
         world_from_base = np.eye(4)
         world_from_base[:3, :3] = d.xmat[self.base_body].reshape(3, 3)
         world_from_base[:3, 3] = d.xpos[self.base_body]
@@ -777,16 +821,9 @@ class MujocoPickEnv(gym.Env):
         pts = depth_to_points(
             self._depth, self._ray_x, self._ray_y, self._base_from_cam, DEPTH_TRUNC, self._rgb
         )  # (M, 6) xyz + colour
-        keep = np.all((pts[:, :3] >= POINT_BOX_LOW) & (pts[:, :3] <= POINT_BOX_HIGH), axis=1)
-        pts = voxel_downsample(pts[keep], self.point_voxel)  # (V, 6)
-        n, count = self.n_points, len(pts)
-        if count == 0:
-            self._points[:, :3] = 0.5 * (POINT_BOX_LOW + POINT_BOX_HIGH)
-            self._points[:, 3:] = 0.0
-        elif count >= n:
-            self._points[:] = pts[self.np_random.choice(count, n, replace=False)]
-        else:
-            self._points[:count] = pts
-            self._points[count:] = pts[np.arange(n - count) % count]
+        fill_cloud(
+            self._points, pts, POINT_BOX_LOW, POINT_BOX_HIGH, self.point_voxel,
+            lambda voxels, n: self.np_random.choice(len(voxels), n, replace=False),
+        )  # fmt: skip
         self._obs_age = 0
         self._force_obs = False
