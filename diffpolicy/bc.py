@@ -43,7 +43,7 @@ BC_WEIGHT_DECAY = 1e-6
 BC_FIELDS = {"bc_epochs": "epochs", "bc_batch_size": "batch_size", "bc_lr": "lr", "ema_decay": "ema_decay",
              "n_demos": "n_demos", "bc_max_grad_norm": "max_grad_norm"}  # fmt: skip
 """BCConfig fields that change a BC result (the cache key), under the names the keys were first made with."""
-BC_FIELDS_ADDED = ("noise_draws", "target_aux_weight")
+BC_FIELDS_ADDED = ("noise_draws", "target_aux_weight", "steps")
 """BCConfig fields that change a BC result but entered the cache key later: keyed only when not at their
 defaults, so caches written before them stay valid."""
 POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing", "ft_steps", "ft_fraction", "eta", "min_std")
@@ -89,22 +89,27 @@ def ema_update(target: torch.nn.Module, source: torch.nn.Module, decay: float) -
 
 
 class TargetHead(torch.nn.Module):
-    """BC's auxiliary head: the condition (B, cond_dim) -> the named object's position, scaled from the
-    workspace box ``low`` .. ``high`` (m) to [-1, 1] (B, 3). Trained beside the policy, never saved with it."""
+    """BC's auxiliary head: the condition (B, cond_dim) -> the privileged label's ``points`` positions (the
+    named object's; Meta-World's ``label=both``: object and goal), each scaled from the workspace box
+    ``low`` .. ``high`` (m) to [-1, 1] (B, 3 points). Trained beside the policy, never saved with it."""
 
-    def __init__(self, cond_dim: int, low: list[float], high: list[float], hidden: int = 256) -> None:
+    def __init__(
+        self, cond_dim: int, low: list[float], high: list[float], hidden: int = 256, points: int = 1
+    ) -> None:
         super().__init__()
+        self.points = points
         self.register_buffer("low", torch.tensor(low, dtype=torch.float32), persistent=False)
         self.register_buffer("high", torch.tensor(high, dtype=torch.float32), persistent=False)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(cond_dim, hidden), torch.nn.Mish(), torch.nn.Linear(hidden, 3)
+            torch.nn.Linear(cond_dim, hidden), torch.nn.Mish(), torch.nn.Linear(hidden, 3 * points)
         )
 
     def forward(self, cond: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cond (B, cond_dim), target (B, 3) m -> (mean squared error in box units, mean error (m) detached)."""
+        """cond (B, cond_dim), target (B, 3 points) m -> (mean squared error in box units, mean error per
+        point (m) detached)."""
         span = self.high - self.low
-        pred = self.net(cond.float())  # (B, 3) in box units
-        goal = (target.float() - self.low) / span * 2 - 1
+        pred = self.net(cond.float()).unflatten(-1, (self.points, 3))  # (B, points, 3) in box units
+        goal = (target.float().unflatten(-1, (self.points, 3)) - self.low) / span * 2 - 1
         error = ((pred.detach() - goal) * span / 2).norm(dim=-1).mean()
         return torch.nn.functional.mse_loss(pred, goal), error
 
@@ -147,8 +152,9 @@ def behaviour_cloning(
 ) -> tuple[Any, dict[str, Any]]:
     """Train a policy by behaviour cloning on the demonstrations at ``demos_path``.
 
-    Runs ``bc_cfg.epochs`` passes over all windows in batches of ``bc_cfg.batch_size`` (the last,
-    incomplete batch of an epoch is dropped), logging ``losses/bc`` / ``train/lr`` against the optimiser
+    Runs ``bc_cfg.steps`` optimiser steps (or, when it is 0, ``bc_cfg.epochs`` passes) over all windows in
+    batches of ``bc_cfg.batch_size`` (the last, incomplete batch of a pass is dropped; a step budget's last
+    pass stops where the budget ends), logging ``losses/bc`` / ``train/lr`` against the optimiser
     step and ``train/condition_gap`` (:func:`condition_gap` of the EMA diffusion policy on a fixed batch) per epoch, and
     writing ``checkpoints`` intermediate checkpoints plus the final one (the EMA weights as
     ``"policy"``) under ``<run_dir>/checkpoints``.
@@ -182,21 +188,26 @@ def behaviour_cloning(
 
     aux = None
     if bc_cfg.target_aux_weight > 0:
-        data.target(torch.zeros(1, dtype=torch.long))  # a dataset without the label fails here, not mid-run
+        label = data.target(torch.zeros(1, dtype=torch.long))  # a dataset without it fails here, not mid-run
+        if label.shape[-1] % 3:
+            raise ValueError(f"the demonstrations' target_pos has {label.shape[-1]} values, not 3 per point")
         enc = policy_cfg.encoder
-        aux = TargetHead(policy_cfg.cond_dim, enc.workspace_low, enc.workspace_high).to(device)
+        aux = TargetHead(
+            policy_cfg.cond_dim, enc.workspace_low, enc.workspace_high, points=label.shape[-1] // 3
+        ).to(device)
     params = [p for p in policy.parameters() if p.requires_grad]
     params += list(aux.parameters()) if aux is not None else []
     optim = torch.optim.AdamW(params, lr=bc_cfg.lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
     batch_size = min(bc_cfg.batch_size, len(data))
     per_epoch = len(data) // batch_size
-    total = per_epoch * bc_cfg.epochs
+    total = bc_cfg.steps or per_epoch * bc_cfg.epochs
+    epochs = math.ceil(total / per_epoch)  # passes over the windows; a step budget's last one stops early
     warmup = max(1, min(500, total // 20))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
     scaler = runtime.grad_scaler()
     gen = torch.Generator().manual_seed(seed)
     ckpt_root = Path(run_dir) / "checkpoints"
-    ckpt_every = max(1, bc_cfg.epochs // checkpoints) if checkpoints > 0 else bc_cfg.epochs + 1
+    ckpt_every = max(1, epochs // checkpoints) if checkpoints > 0 else epochs + 1
     description = {"stage": "bc", "demos": str(demos_path), "seed": seed, **(extra or {})}
 
     def save(step: int, epoch: int, loss: float) -> Path:
@@ -224,10 +235,10 @@ def behaviour_cloning(
     aux_sum, aux_error_sum = 0.0, 0.0
     t_train = time.perf_counter()
     bar = iter(logger.progress(range(total), total=total, desc="bc"))
-    for epoch in range(1, bc_cfg.epochs + 1):
+    for epoch in range(1, epochs + 1):
         order = torch.randperm(len(data), generator=gen)
-        loss_sum = 0.0
-        for b in range(per_epoch):
+        loss_sum, n_batches = 0.0, min(per_epoch, total - step)
+        for b in range(n_batches):
             next(bar, None)
             idx = order[b * batch_size : (b + 1) * batch_size]
             obs, actions = data.batch(idx, device)
@@ -263,21 +274,21 @@ def behaviour_cloning(
                     aux_sum, aux_error_sum = 0.0, 0.0
                 logger.log(scalars, step)
                 window_loss, window_n = 0.0, 0
-        epoch_loss = loss_sum / max(1, per_epoch)
+        epoch_loss = loss_sum / max(1, n_batches)
         scalars = {"losses/bc_epoch": epoch_loss, "train/epoch": epoch}
         if hasattr(ema.module, "denoiser"):  # diffusion policies (the Gaussian baseline has no denoiser)
             gap = scalars["train/condition_gap"] = condition_gap(ema.module, *probe, seed=seed)
         logger.log(scalars, step)
-        if epoch % ckpt_every == 0 and epoch < bc_cfg.epochs:
+        if epoch % ckpt_every == 0 and epoch < epochs:
             save(step, epoch, epoch_loss)
     next(bar, None)  # close the progress bar
     train_s = time.perf_counter() - t_train
-    final = save(step, bc_cfg.epochs, epoch_loss)
+    final = save(step, epochs, epoch_loss)
     logger.log({"time/bc_s_per_step": train_s / max(1, step)}, step)
     policy = ema.module.eval()
     metrics = {
         "final_loss": epoch_loss,
-        "epochs": bc_cfg.epochs,
+        "epochs": epochs,
         "steps": step,
         "s_per_step": round(train_s / max(1, step), 4),
         "n_windows": len(data),

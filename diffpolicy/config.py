@@ -83,6 +83,7 @@ OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "policy.encoder.workspace_low": PICK_WORKSPACE[0],
         "policy.encoder.workspace_high": PICK_WORKSPACE[1],
         "bc.epochs": 80,
+        "bc.steps": 0,
         "bc.batch_size": 128,
         "bc.n_demos": 40,
         "bc.target_aux_weight": 0.0,
@@ -92,6 +93,7 @@ OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "policy.encoder.workspace_high": PICK_WORKSPACE[1],
         "policy.encoder.use_state": False,
         "bc.epochs": 18,
+        "bc.steps": 0,
         "bc.batch_size": 64,
         "bc.n_demos": 100,
         "bc.target_aux_weight": 1.0,
@@ -412,6 +414,11 @@ class BCConfig:
     at 80 epochs against 0.73 at 40, whose failures were mostly missed grasps: 40 epochs left BC
     under-trained. multimodal: 18 (1962 steps of batch 64 with the auxiliary target loss: 1.00 held-out, 0.99
     at 40 epochs)."""
+    steps: int | None = None
+    """Optimiser steps of behaviour cloning; when positive it is the budget and ``bc.epochs`` is ignored (the
+    windows are reshuffled every pass and the last pass stops mid-way), so that tasks whose demonstrations
+    are short get the same training as the others. 0: ``bc.epochs`` passes. Null: derived from ``env.name``
+    and ``env.obs_mode`` (:data:`ENV_DEFAULTS`, :data:`OBS_MODE_DEFAULTS`)."""
     batch_size: int | None = None
     """Batch size in windows (null: derived from ``env.obs_mode``: 128 for state, 64 for multimodal, the
     batches of the measured runs, :data:`OBS_MODE_DEFAULTS`)."""
@@ -451,6 +458,7 @@ class BCConfig:
         _derive_state_defaults(self, "bc")
         for name in ("epochs", "batch_size", "n_demos"):
             _positive(f"bc.{name}", getattr(self, name))
+        _positive("bc.steps", self.steps, allow_zero=True)
         for key, sources in self.obs_keys.items():
             if not sources:
                 raise ValueError(f"bc.obs_keys.{key} is empty; name the dataset keys that form {key!r}")
@@ -483,10 +491,16 @@ class LearnerConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 disables)."""
     rollback_drop: float = 0.3
-    """Roll back to the last stable checkpoint when the training success rate falls this far below its best."""
+    """Roll back to the last stable checkpoint when the judged success rate (``algo.rollback_episodes``)
+    falls this far below its best."""
+    rollback_episodes: int = 0
+    """What the rollback guard judges at each checkpoint: 0, the training rollouts' episodes since the last
+    checkpoint (seeds 10 000 000 + ..., free); n > 0, n validation episodes (seeds ``val_seed`` + i, the same
+    n every time, the held-out protocol), at the cost of their env steps, which the summary counts apart."""
 
     def __post_init__(self) -> None:
         _choice("algo.head", self.head, HEADS)
+        _positive("algo.rollback_episodes", self.rollback_episodes, allow_zero=True)
         _positive("algo.iterations", self.iterations)
         _positive("algo.lr", self.lr)
         _positive("algo.max_grad_norm", self.max_grad_norm, allow_zero=True)
@@ -884,8 +898,9 @@ class TrainConfig:
         _positive("video_episodes", self.video_episodes, allow_zero=True)
         if self.val_episodes is None:
             self.val_episodes = self.eval_episodes
-        check_splits(self.val_seed, self.val_episodes, self.eval_seed, self.eval_episodes)
         self.algo = as_learner(self.algo)
+        val_used = max(self.val_episodes, self.algo.rollback_episodes)  # the guard reads the first n of them
+        check_splits(self.val_seed, val_used, self.eval_seed, self.eval_episodes)
         if isinstance(self.algo, PPOConfig) and isinstance(self.env, EnvConfig):
             if self.algo.advantage == "grpo" and self.env.num_envs % self.algo.group_size:
                 raise ValueError(
@@ -1158,7 +1173,7 @@ POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "ft_steps", "unexe
 DERIVED: dict[type, tuple[str, ...]] = {
     PolicyConfig: POLICY_DERIVED,
     EncoderConfig: ("use_state", "workspace_low", "workspace_high"),
-    BCConfig: ("epochs", "batch_size", "n_demos", "target_aux_weight"),
+    BCConfig: ("epochs", "steps", "batch_size", "n_demos", "target_aux_weight"),
 }
 """Fields whose null default is derived when the config is built: from the component's own fields, or from
 ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`, :func:`derive_from_obs_mode`)."""

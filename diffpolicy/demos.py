@@ -93,7 +93,7 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
     Returns:
         ``(episode, success)``: ``episode`` maps ``action`` (L, Da), ``reward`` (L,) and each observation key
         to L steps (``rgb`` (L, H, W, 3) uint8, ``points`` (L, N, 6), ``state`` (L, Ds), ``instruction`` one
-        string), plus ``target_pos`` (L, 3) where the env's info reports it (a privileged label); step t
+        string), plus ``target_pos`` (L, 3 k) where the env's info reports it (a privileged label); step t
         holds the observation the expert acted on, the action it took and its reward.
         ``success`` is None when the environment reports no ``is_success`` (Hopper: returns, no goal).
     """
@@ -121,7 +121,7 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
     episode["action"] = np.stack(actions)  # (L, Da)
     episode[REWARD_KEY] = np.asarray(rewards, dtype=np.float32)  # (L,)
     if targets is not None:
-        episode[TARGET_KEY] = np.stack(targets)  # (L, 3)
+        episode[TARGET_KEY] = np.stack(targets)  # (L, 3 k): k labelled points
     if instruction is not None:
         episode["instruction"] = str(instruction)
     return episode, success if reported else None

@@ -360,7 +360,9 @@ def split_seeds(cfg: TrainConfig | PretrainConfig, split: str) -> tuple[int, int
     return (cfg.val_seed, cfg.val_episodes) if split == "val" else (cfg.eval_seed, cfg.eval_episodes)
 
 
-def held_out(policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any, split: str = "test") -> EvalResult:
+def held_out(
+    policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any, split: str = "test", episodes: int = 0
+) -> EvalResult:
     """The held-out evaluation that ``train`` (before and after PPO) and ``pretrain`` report, one protocol so
     that their success rates compare: the ``split``'s episodes (:func:`split_seeds`: validation, or the test
     seeds of the reported figure), in waves of
@@ -368,8 +370,10 @@ def held_out(policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any, split
     every DDIM step's mean when ``cfg.algo.head`` is residual (the residual's base samples that way: a BC
     policy is judged as the residual head starts from it) or ``cfg.eval_deterministic``, else samples the
     stochastic chain; a base + residual policy always runs its deterministic base and mean correction.
-    ``algo.head=filtered_bc`` is judged deterministically too (its rollouts default to it)."""
-    seed, episodes = split_seeds(cfg, split)
+    ``algo.head=filtered_bc`` is judged deterministically too (its rollouts default to it). ``episodes`` > 0
+    takes the split's first that many instead (the rollback guard's validation check)."""
+    seed, n = split_seeds(cfg, split)
+    episodes = episodes or n
     return evaluate(
         policy,
         cfg.env,

@@ -142,7 +142,7 @@ def fine_tune(
     ckpt_root, stable_root = run_dir / "checkpoints", run_dir / "checkpoints" / "stable"
 
     # ---- resume or start: the BC evaluation is measured once and carried in every checkpoint
-    first_it, env_steps, bc = 0, 0, None
+    first_it, env_steps, bc, guard_steps = 0, 0, None, 0
     if cfg.resume and checkpoint.exists(ckpt_root):
         ckpt = checkpoint.load(ckpt_root, map_location=rt.device)
         head.load_state(ckpt.state)
@@ -150,6 +150,7 @@ def fine_tune(
         guard.stable_step = ckpt.state["guard"]["stable_step"]
         checkpoint.set_rng_state(ckpt.state["rng"])
         first_it, env_steps, bc = ckpt.step, int(ckpt.extra["env_steps"]), ckpt.extra["bc_eval"]
+        guard_steps = int(ckpt.extra.get("guard_env_steps", 0))
         if info.is_main:
             truncate_metrics(run_dir, env_steps)
             logger.event("resume", f"resumed from {ckpt.path.name}", env_steps, iteration=first_it)
@@ -212,16 +213,23 @@ def fine_tune(
             if (it + 1) % cfg.log.every == 0 or it + 1 == algo.iterations:
                 logger.log(metrics, step=env_steps)
             if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == algo.iterations:
-                # the guard judges the training episodes since the last checkpoint (none ended: no verdict)
+                # the guard judges validation episodes (algo.rollback_episodes), or else the training
+                # episodes since the last checkpoint (none ended: no verdict)
                 rollback = False
-                if info.is_main and window[1] > 0:
+                if info.is_main and algo.rollback_episodes:
+                    judged = held_out(head.policy, cfg, rt, "val", algo.rollback_episodes)
+                    guard_steps += judged.env_steps
+                    logger.log({"val/guard_success_rate": judged.success_rate}, step=env_steps)
+                    rollback = guard.update(judged.success_rate, it + 1).rollback
+                elif info.is_main and window[1] > 0:
                     rollback = guard.update(window[0] / window[1], it + 1).rollback
                 window = [0.0, 0.0]
                 if broadcast_flag(rollback, info, rt.device) and checkpoint.exists(stable_root):
                     restore_stable(stable_root, head, rt, logger, env_steps)
                 if info.is_main:
                     save(head, cfg, ckpt_root, stable_root, it + 1, guard, metrics, rollback,
-                         extra={"env_steps": env_steps, "bc_eval": bc, "init": str(init_path)})  # fmt: skip
+                         extra={"env_steps": env_steps, "bc_eval": bc, "init": str(init_path),
+                                "guard_env_steps": guard_steps})  # fmt: skip
                 barrier(info)
     finally:
         head.close()
@@ -269,6 +277,7 @@ def fine_tune(
             "drops": after.drops(),  # the fine-tuned policy's drops by how the grasp was lost
             "head": algo.head,
             "env_steps": env_steps,
+            "guard_env_steps": guard_steps,  # the rollback guard's validation episodes (algo.rollback_episodes)
             "env_sps": round(ppo_steps / ppo_time, 1) if ppo_time > 0 else None,
             "time_split_s": {
                 "env": round(split[0], 1),

@@ -186,10 +186,10 @@ def test_the_first_frame_shows_objects_where_this_episode_put_them() -> None:
         e.close()
 
 
-def test_target_label_is_the_object_or_the_goal() -> None:
+def test_target_label_is_the_object_the_goal_or_both() -> None:
     """``info["target_pos"]`` (BC's auxiliary label, never an observation): the object's position by default,
-    the goal's with ``label="goal"``; both move with the seed."""
-    for label, part in (("object", slice(4, 7)), ("goal", slice(36, 39))):
+    the goal's with ``label="goal"``, both (6,) with ``label="both"``; each moves with the seed."""
+    for label, part in (("object", [4, 5, 6]), ("goal", [36, 37, 38]), ("both", [4, 5, 6, 36, 37, 38])):
         e = MetaWorldEnv("push", obs_mode="state", label=label)
         try:
             labels = []

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.bc import EMA, behaviour_cloning, cosine_with_warmup, pretrained_checkpoint
+from diffpolicy.bc import EMA, TargetHead, behaviour_cloning, cosine_with_warmup, pretrained_checkpoint
 from diffpolicy.config import BCConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.demos import collect_demos
@@ -88,6 +88,35 @@ def test_behaviour_cloning_reach(tmp_path, reach_demos):
     )
     raw = ckpt.state["model"]
     assert any(not torch.equal(raw[k], v) for k, v in ckpt.state["policy"].items())  # EMA != raw weights
+
+
+def test_a_step_budget_replaces_epochs_and_stops_mid_pass(tmp_path, reach_demos):
+    """bc.steps > 0 is the budget whatever the epochs say: the last pass stops where the budget ends."""
+    algo = BCConfig(epochs=50, steps=7, batch_size=32)
+    with Logger(tmp_path, tensorboard=False, progress=False) as log:
+        _, metrics = behaviour_cloning(REACH, SMALL, algo, reach_demos, CPU, log, tmp_path, seed=0)
+    per_pass = metrics["n_windows"] // 32
+    assert per_pass < 7  # the budget spans more than one pass, and ends inside one
+    assert metrics["steps"] == 7 and metrics["epochs"] == -(-7 // per_pass)
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/epoch" in r]
+    assert steps[-1] == 7 and len(steps) == metrics["epochs"]
+    with pytest.raises(ValueError, match="bc.steps"):
+        BCConfig(steps=-1)
+
+
+def test_target_head_scores_each_labelled_point():
+    """Two labelled points (object and goal): the loss is the box-scaled squared error over both, the
+    reported error the mean distance per point, checked against a hand computation."""
+    head = TargetHead(4, [0.0, 0.0, 0.0], [2.0, 2.0, 2.0], hidden=8, points=2)
+    cond = torch.randn(5, 4)
+    target = torch.rand(5, 6) * 2
+    loss, error = head(cond, target)
+    pred = head.net(cond).reshape(5, 2, 3)  # box units in [-1, 1] over a 2 m box: metres = pred + 1
+    goal = target.reshape(5, 2, 3) - 1
+    torch.testing.assert_close(loss, ((pred - goal) ** 2).mean())
+    torch.testing.assert_close(error, (pred - goal).detach().norm(dim=-1).mean())
+    loss.backward()  # and the head learns from it
+    assert head.net[0].weight.grad.abs().sum() > 0
 
 
 def test_behaviour_cloning_multimodal(tmp_path):
@@ -199,6 +228,8 @@ def test_added_bc_fields_enter_the_cache_key_only_when_set():
     assert bc_key(REACH, SMALL, dataclasses.replace(base, noise_draws=1, target_aux_weight=0.0), 0) == key
     assert bc_key(REACH, SMALL, dataclasses.replace(base, noise_draws=2), 0) != key
     assert bc_key(REACH, SMALL, dataclasses.replace(base, target_aux_weight=0.1), 0) != key
+    assert bc_key(REACH, SMALL, dataclasses.replace(base, steps=0), 0) == key
+    assert bc_key(REACH, SMALL, dataclasses.replace(base, steps=100), 0) != key
     assert bc_key(REACH, dataclasses.replace(SMALL, unexecuted_weight=1.0), base, 0) == key
     assert bc_key(REACH, dataclasses.replace(SMALL, unexecuted_weight=0.5), base, 0) != key
 

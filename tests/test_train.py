@@ -338,3 +338,16 @@ def test_multimodal_fine_tuning_runs_from_an_empty_cache(tmp_path: Path, algo: s
         return
     values = [r["losses/value"] for r in rows if r.get("losses/value") is not None]
     assert len(values) == 2 and all(v == v for v in values), "every iteration updates (its critic at least)"
+
+
+def test_rollback_guard_can_judge_validation_episodes(tmp_path: Path, init_ckpt: Path) -> None:
+    """algo.rollback_episodes=n: at every checkpoint the guard evaluates the first n validation seeds (logged
+    as val/guard_success_rate), and their env steps are counted apart from the training rollouts'."""
+    out = _train(tmp_path, init_ckpt, "algo.rollback_episodes=2", "val_episodes=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = _summary(out.stdout)
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "val/guard_success_rate" in r]
+    assert len(rows) == 3 and all(0.0 <= r["val/guard_success_rate"] <= 1.0 for r in rows)
+    assert summary["guard_env_steps"] >= 3 * 2  # three checks of two episodes, at least a step each
+    with pytest.raises(ValueError, match="overlap the test seeds"):
+        compose("train", [*TINY_RUN, "algo.rollback_episodes=2000000", "val_episodes=2"])

@@ -56,7 +56,7 @@ ACTION_KEY = "action"
 REWARD_KEY = "reward"
 INSTRUCTION_KEY = "instruction"
 TARGET_KEY = "target_pos"
-"""A privileged training label (3,) m: the named object's position (MujocoPick's ``info["target_pos"]``),
+"""A privileged training label (3 k,) m: k positions, the named object's (MujocoPick's ``info["target_pos"]``),
 recorded by the scripted expert's collection and read only by BC's auxiliary loss, never by a policy."""
 NON_OBSERVATION_FIELDS = (ACTION_KEY, REWARD_KEY, TARGET_KEY)
 """Fields of a step that are not observations (every other field is one)."""

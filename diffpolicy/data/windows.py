@@ -84,7 +84,7 @@ class DemoWindows:
         return obs, actions
 
     def target(self, idx: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The privileged label of windows ``idx`` (B,): the named object's position (B, 3) m at step t."""
+        """The privileged label of windows ``idx`` (B,): the labelled positions (B, 3 k) m at step t."""
         if not self.has_target:
             raise ValueError(
                 f"demonstrations at {self.path} record no {TARGET_KEY!r} (collected before it was recorded, "

@@ -36,8 +36,8 @@ Meta-World's ``info["success"]``, and the episode terminates on the first succes
 how the episode would end now: ``success``; ``never_reached`` (the hand never came near the object),
 ``never_grasped`` (near it, but Meta-World never reported a grasp), ``timed_out`` (the rest) -- from
 Meta-World's own ``near_object`` and ``grasp_success`` flags. ``info["target_pos"]`` (3,) m is the
-position of the object the task moves (the first object of Meta-World's vector; ``label="goal"``: the goal's)
-: privileged, a training-time label only (BC's auxiliary target loss), never an observation of the
+position of the object the task moves (the first object of Meta-World's vector; ``label="goal"``: the goal's;
+``label="both"``: (6,), the object's then the goal's): privileged, a training-time label only (BC's auxiliary target loss), never an observation of the
 multimodal policy. The reward is Meta-World's (v3 reward
 functions), whose terms Meta-World reports in ``info`` (``grasp_reward``, ``in_place_reward``, ...).
 Actions: 4-D in [-1, 1], the hand's displacement (x, y, z, scaled by 1 cm) and the gripper's effort.
@@ -73,6 +73,9 @@ DP3_CAMERA_POS = {"corner2": (0.6, 0.295, 0.8)}
 OUTCOMES = ("success", "never_reached", "never_grasped", "timed_out")
 """Values of ``info["outcome"]``."""
 STATE_DIM = {"multimodal": 9, "state": 39}
+LABELS = {"object": [4, 5, 6], "goal": [36, 37, 38], "both": [4, 5, 6, 36, 37, 38]}
+"""``label`` -> the indices of Meta-World's 39-D vector that ``info["target_pos"]`` holds (BC's privileged
+training label): the first object's position, the goal's, or both."""
 
 INSTRUCTIONS: dict[str, str] = {
     "assembly": "put the ring onto the peg",
@@ -180,8 +183,9 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         point_voxel: edge of the down-sampling voxels (m).
         point_sampling: how N points are drawn from the voxels: ``fps`` (farthest-point sampling from a
             seeded random start, as DP3: thin parts such as assembly's peg keep their points) or ``random``.
-        label: what ``info["target_pos"]`` holds: ``object`` (the first object's position) or ``goal``
-            (the goal's: where the object must go, e.g. assembly's peg).
+        label: what ``info["target_pos"]`` holds: ``object`` (the first object's position, (3,)), ``goal``
+            (the goal's: where the object must go, e.g. assembly's peg, (3,)) or ``both`` (object then
+            goal, (6,)).
         obs_every: render ``rgb``/``points`` on every k-th step only, repeating them in between.
         time_limit: truncate after this many control steps (``gymnasium.make``'s ``max_episode_steps``
             wraps another time limit around it; the registration's is the same 200).
@@ -241,9 +245,9 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         if point_sampling not in ("fps", "random"):
             raise ValueError(f"point_sampling={point_sampling!r} is not allowed; choose fps or random")
         self.point_sampling = point_sampling
-        if label not in ("object", "goal"):
-            raise ValueError(f"label={label!r} is not allowed; choose object or goal")
-        self._label = slice(4, 7) if label == "object" else slice(36, 39)
+        if label not in LABELS:
+            raise ValueError(f"label={label!r} is not allowed; choose one of {', '.join(LABELS)}")
+        self._label = LABELS[label]
         self.obs_every = int(obs_every)
         self.time_limit = int(time_limit)
         self.render_mode = render_mode
