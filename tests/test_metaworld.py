@@ -24,6 +24,7 @@ from diffpolicy_envs.meta_world import (
     TASKS,
     MetaWorldEnv,
     farthest_points,
+    robot_meshes_simplified,
     task_name,
 )
 
@@ -202,3 +203,43 @@ def test_target_label_is_the_object_the_goal_or_both() -> None:
             e.close()
     with pytest.raises(ValueError, match="label"):
         MetaWorldEnv("push", label="peg")
+
+
+def test_the_camera_draws_a_simplified_robot_and_the_same_scene() -> None:
+    """robot_mesh_cell: the render copy's robot meshes lose most faces, the task's objects and the physics
+    model keep theirs, every merged vertex stays inside its mesh's bounds, and the image and depth differ
+    from the exact drawing only in detail (the arm's edges)."""
+    env = MetaWorldEnv("assembly", image_size=84, robot_mesh_cell=0.0)
+    try:
+        m = env.model
+        before = (m.mesh_face.copy(), m.mesh_vert.copy(), m.mesh_facenum.copy())
+        drawn = robot_meshes_simplified(m, 0.01)
+        for a, b in zip(before, (m.mesh_face, m.mesh_vert, m.mesh_facenum), strict=True):
+            np.testing.assert_array_equal(a, b)  # the physics model is untouched
+        robot = [
+            m.mesh(i).name.startswith(("l", "base", "head", "eGripper", "pedestal")) for i in range(m.nmesh)
+        ]
+        robot = np.array(robot)
+        assert drawn.mesh_facenum[robot].sum() < 0.4 * m.mesh_facenum[robot].sum()
+        np.testing.assert_array_equal(drawn.mesh_facenum[~robot], m.mesh_facenum[~robot])  # peg, ring: exact
+        for i in np.flatnonzero(robot):
+            va, fa = m.mesh_vertadr[i], m.mesh_faceadr[i]
+            verts = m.mesh_vert[va : va + m.mesh_vertnum[i]]
+            used = drawn.mesh_vert[va + drawn.mesh_face[fa : fa + drawn.mesh_facenum[i]]].reshape(-1, 3)
+            assert (used >= verts.min(0) - 1e-6).all() and (used <= verts.max(0) + 1e-6).all()
+        obs, _ = env.reset(seed=3)
+        exact_rgb, exact_pts = obs["rgb"].astype(float), obs["points"]
+    finally:
+        env.close()
+    env = MetaWorldEnv("assembly", image_size=84, robot_mesh_cell=0.01)
+    try:
+        obs, _ = env.reset(seed=3)
+        diff = np.abs(obs["rgb"].astype(float) - exact_rgb)
+        assert 0 < diff.mean() < 2.0 and (diff.max(-1) > 60).mean() < 0.02
+        # the clouds cover the same scene: every simplified point within 2 cm of an exact one, nearly all
+        gap = np.linalg.norm(obs["points"][:, None, :3] - exact_pts[None, :, :3], axis=-1).min(1)
+        assert np.median(gap) < 0.01 and (gap < 0.02).mean() > 0.95
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="robot_mesh_cell"):
+        MetaWorldEnv("assembly", robot_mesh_cell=-1)

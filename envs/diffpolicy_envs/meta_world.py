@@ -27,7 +27,9 @@ view (``camera_pos``; null keeps the model's pose). The camera is mounted upside
 Rendering is what costs (84 x 84 on one core, Mesa's software rasteriser: an RGB frame through
 ``mujoco.Renderer`` 80 ms with shadows, reflections and multisampling; depth another 6 ms; a step ~0.6 ms).
 One offscreen context (:class:`_Camera`) draws each frame once, without them, and reads image and depth
-from that one draw; and with ``obs_every = k`` the camera is rendered only on every k-th step after a reset (at the
+from that one draw; what it draws is the Sawyer's ~66 k mesh faces, so the camera's copy of the robot's
+meshes is simplified (``robot_mesh_cell``: vertices merged on a 1 cm grid, ~16 k faces, about half the
+frame's time; physics keeps the exact model, and the task's objects are drawn exactly); and with ``obs_every = k`` the camera is rendered only on every k-th step after a reset (at the
 steps where a policy executing k actions per decision looks), the last ``rgb``/``points`` repeated in
 between (``info["obs_age"]``; ``request_obs()`` forces a render on the next step).
 
@@ -45,6 +47,7 @@ Actions: 4-D in [-1, 1], the hand's displacement (x, y, z, scaled by 1 cm) and t
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -183,6 +186,8 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         point_voxel: edge of the down-sampling voxels (m).
         point_sampling: how N points are drawn from the voxels: ``fps`` (farthest-point sampling from a
             seeded random start, as DP3: thin parts such as assembly's peg keep their points) or ``random``.
+        robot_mesh_cell: grid (m) on which the camera's copy of the robot's meshes merges vertices (vertex
+            clustering, :func:`robot_meshes_simplified`); 0 draws the exact meshes.
         label: what ``info["target_pos"]`` holds: ``object`` (the first object's position, (3,)), ``goal``
             (the goal's: where the object must go, e.g. assembly's peg, (3,)) or ``both`` (object then
             goal, (6,)).
@@ -205,6 +210,7 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         point_colors: bool = True,
         point_voxel: float = 0.01,
         point_sampling: str = "fps",
+        robot_mesh_cell: float = 0.01,
         label: str = "object",
         obs_every: int = 1,
         time_limit: int = 200,
@@ -245,6 +251,11 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         if point_sampling not in ("fps", "random"):
             raise ValueError(f"point_sampling={point_sampling!r} is not allowed; choose fps or random")
         self.point_sampling = point_sampling
+        if robot_mesh_cell < 0:
+            raise ValueError(
+                f"robot_mesh_cell must be >= 0 (m; 0 draws the exact meshes), got {robot_mesh_cell}"
+            )
+        self.robot_mesh_cell = float(robot_mesh_cell)
         if label not in LABELS:
             raise ValueError(f"label={label!r} is not allowed; choose one of {', '.join(LABELS)}")
         self._label = LABELS[label]
@@ -374,7 +385,10 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         if self._renderer is None:
             size = self.image_size
             self._ray_x, self._ray_y = pinhole_rays(size, self.model.cam_fovy[self.camera])
-            self._renderer = _Camera(self.model, self.camera, size)
+            drawn = (
+                robot_meshes_simplified(self.model, self.robot_mesh_cell) if self.robot_mesh_cell else None
+            )
+            self._renderer = _Camera(self.model, self.camera, size, drawn=drawn)
         return self._renderer
 
     def _render_rgb(self) -> np.ndarray:
@@ -397,22 +411,72 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         self._force_obs = False
 
 
+ROBOT_ROOT = "base"
+"""The Sawyer's root body in Meta-World's models: the meshes of its subtree are the robot's."""
+
+
+def robot_meshes_simplified(model: mujoco.MjModel, cell: float) -> mujoco.MjModel:
+    """A copy of ``model`` whose robot meshes (every geom that uses them hangs below :data:`ROBOT_ROOT`) are
+    simplified by vertex clustering, for a render context only: the vertices of each ``cell``-sized grid
+    cube merge into their mean, faces that collapse or repeat are dropped, and the survivors are written to
+    the front of the mesh's face arrays (with their normals and texture coordinates) and counted in
+    ``mesh_facenum``. The scene's geoms still come from ``model`` (``mjv_updateScene`` reads only mesh ids),
+    so poses and physics are untouched; only what the rasteriser draws is coarser, by less than ``cell``."""
+    out = copy.deepcopy(model)
+    root = model.body(ROBOT_ROOT).id
+    robot = np.zeros(model.nmesh, bool)
+    other = np.zeros(model.nmesh, bool)
+    for g in np.flatnonzero(model.geom_type == mujoco.mjtGeom.mjGEOM_MESH):
+        mesh = model.geom_dataid[g]
+        if model.body_rootid[model.geom_bodyid[g]] == root:
+            robot[mesh] = True
+        else:
+            other[mesh] = True
+    for mesh in np.flatnonzero(robot & ~other):
+        va, nv = out.mesh_vertadr[mesh], out.mesh_vertnum[mesh]
+        fa, nf = out.mesh_faceadr[mesh], out.mesh_facenum[mesh]
+        verts = out.mesh_vert[va : va + nv].astype(np.float64)  # (nv, 3)
+        _, first, cluster = np.unique(
+            np.floor(verts / cell).astype(np.int64), axis=0, return_index=True, return_inverse=True
+        )
+        cluster = cluster.reshape(-1)  # (nv,) grid cube of each vertex
+        sums = np.zeros((len(first), 3))
+        np.add.at(sums, cluster, verts)
+        out.mesh_vert[va + first] = sums / np.bincount(cluster)[:, None]  # each cube's first vertex: the mean
+        faces = first[cluster[out.mesh_face[fa : fa + nf]]]  # (nf, 3) corners moved to their representatives
+        whole = (faces[:, 0] != faces[:, 1]) & (faces[:, 1] != faces[:, 2]) & (faces[:, 0] != faces[:, 2])
+        _, once = np.unique(np.sort(faces[whole], axis=1), axis=0, return_index=True)
+        keep = np.flatnonzero(whole)[np.sort(once)]  # (n,) surviving faces, in their order
+        n = len(keep)
+        for arr in (out.mesh_facenormal, out.mesh_facetexcoord):
+            if arr.shape[0] == out.mesh_face.shape[0]:
+                arr[fa : fa + n] = arr[fa : fa + nf][keep].copy()
+        out.mesh_face[fa : fa + n] = faces[keep]
+        out.mesh_facenum[mesh] = n
+    return out
+
+
 class _Camera:
     """One camera's RGB and depth from a single offscreen render (MuJoCo's public ``mjr_*`` API).
 
     ``mujoco.Renderer`` draws the scene once for the image and once more for depth; reading both buffers of
     one draw halves the cost, which is the mesh count (Meta-World's Sawyer: ~68 k faces), not the pixels.
     Multisampling, shadows and reflections are off (84 x 84 in Mesa's software rasteriser: ~18 ms -> ~8 ms an
-    image). ``render`` returns (H, W, 3) uint8 with the top row first and writes metric depth (m) into
+    image); ``drawn``, a copy of ``model`` with simplified meshes (:func:`robot_meshes_simplified`), is what the
+    context uploads. ``render`` returns (H, W, 3) uint8 with the top row first and writes metric depth (m) into
     ``depth``.
     """
 
-    def __init__(self, model: mujoco.MjModel, camera: int, size: int) -> None:
+    def __init__(
+        self, model: mujoco.MjModel, camera: int, size: int, drawn: mujoco.MjModel | None = None
+    ) -> None:
         model.vis.quality.offsamples = 0  # no multisampling (read when the context is made)
         self.model = model
         self.gl = mujoco.GLContext(size, size)
         self.gl.make_current()
-        self.context = mujoco.MjrContext(model, mujoco.mjtFontScale.mjFONTSCALE_150)
+        if drawn is not None:  # meshes uploaded from a simplified copy; geoms and poses still from ``model``
+            drawn.vis.quality.offsamples = 0
+        self.context = mujoco.MjrContext(drawn or model, mujoco.mjtFontScale.mjFONTSCALE_150)
         mujoco.mjr_setBuffer(mujoco.mjtFramebuffer.mjFB_OFFSCREEN, self.context)
         self.scene = mujoco.MjvScene(model, maxgeom=2000)
         self.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
