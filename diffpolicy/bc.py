@@ -43,7 +43,7 @@ BC_WEIGHT_DECAY = 1e-6
 BC_FIELDS = {"bc_epochs": "epochs", "bc_batch_size": "batch_size", "bc_lr": "lr", "ema_decay": "ema_decay",
              "n_demos": "n_demos", "bc_max_grad_norm": "max_grad_norm"}  # fmt: skip
 """BCConfig fields that change a BC result (the cache key), under the names the keys were first made with."""
-BC_FIELDS_ADDED = ("noise_draws", "target_aux_weight", "steps")
+BC_FIELDS_ADDED = ("noise_draws", "target_aux_weight", "steps", "translate", "translate_state")
 """BCConfig fields that change a BC result but entered the cache key later: keyed only when not at their
 defaults, so caches written before them stay valid."""
 POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing", "ft_steps", "ft_fraction", "eta", "min_std")
@@ -112,6 +112,27 @@ class TargetHead(torch.nn.Module):
         goal = (target.float().unflatten(-1, (self.points, 3)) - self.low) / span * 2 - 1
         error = ((pred.detach() - goal) * span / 2).norm(dim=-1).mean()
         return torch.nn.functional.mse_loss(pred, goal), error
+
+
+def translate_scene(
+    obs: dict[str, Any], target: torch.Tensor | None, offset: torch.Tensor, state: bool
+) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """Windows seen from a shifted scene: ``offset`` (B, 3) m is added to the points' xyz (B, To, N, 3+),
+    to every xyz triple of ``target`` (B, 3 k) and, when ``state``, of the state (B, To, 3 m); a new dict
+    (the batch's tensors are not modified), the other observations as they were."""
+    out = dict(obs)
+    if "points" in obs:
+        pts = obs["points"].clone()
+        pts[..., :3] += offset[:, None, None, :]
+        out["points"] = pts
+    if state and "state" in obs:
+        s = obs["state"]
+        if s.shape[-1] % 3:
+            raise ValueError(f"bc.translate_state: the state has {s.shape[-1]} values, not xyz triples")
+        out["state"] = (s.unflatten(-1, (-1, 3)) + offset[:, None, None, :]).flatten(-2)
+    if target is not None:
+        target = (target.unflatten(-1, (-1, 3)) + offset[:, None, :]).flatten(-2)
+    return out, target
 
 
 @torch.no_grad()
@@ -186,6 +207,8 @@ def behaviour_cloning(
     policy.to(device).train()
     ema = EMA(policy, bc_cfg.ema_decay)
 
+    if bc_cfg.translate > 0 and "points" not in data.obs_spec:
+        raise ValueError("bc.translate shifts point clouds, and these demonstrations observe none")
     aux = None
     if bc_cfg.target_aux_weight > 0:
         label = data.target(torch.zeros(1, dtype=torch.long))  # a dataset without it fails here, not mid-run
@@ -242,13 +265,18 @@ def behaviour_cloning(
             next(bar, None)
             idx = order[b * batch_size : (b + 1) * batch_size]
             obs, actions = data.batch(idx, device)
+            target = data.target(idx, device) if aux is not None else None
+            if bc_cfg.translate > 0:  # the same actions from a scene shifted in x and y
+                offset = torch.zeros(len(idx), 3)
+                offset[:, :2] = (torch.rand(len(idx), 2, generator=gen) * 2 - 1) * bc_cfg.translate
+                obs, target = translate_scene(obs, target, offset.to(device), bc_cfg.translate_state)
             with runtime.autocast():
                 if aux is None:
                     loss = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws)
                     total_loss = loss
                 else:
                     loss, cond = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, return_cond=True)
-                    aux_loss, aux_error = aux(cond, data.target(idx, device))
+                    aux_loss, aux_error = aux(cond, target)
                     total_loss = loss + bc_cfg.target_aux_weight * aux_loss
                     aux_sum += float(aux_loss.detach())
                     aux_error_sum += float(aux_error)

@@ -449,6 +449,15 @@ class BCConfig:
     not part of the saved policy. 0 disables; needs demonstrations that record ``target_pos`` (MujocoPick).
     Null: derived from ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`): 0 for state (the state holds the
     target's position), 1 for multimodal (0.99 held-out against 0.71 without, docs/experiments.md 2026-12-01 late)."""
+    translate: float = 0.0
+    """Scene translation augmentation (m): every window's observed positions -- the points' xyz, the
+    privileged label and, with ``bc.translate_state``, the state -- are shifted by one offset drawn
+    uniformly from [-translate, translate] in x and y, the actions kept. Valid where actions are
+    displacements that depend on relative positions only (Meta-World's hand deltas and its scripted
+    policies), so that 10 demonstrations show many placements; the RGB image is not shifted. 0 disables."""
+    translate_state: bool = False
+    """``bc.translate``: the state token is xyz triples in the points' frame (Meta-World's 9-D
+    proprioception: hand and finger pads) and is shifted with them; false leaves it as recorded."""
     obs_keys: dict[str, list[str]] = field(default_factory=dict)
     """``bc.demos``: environment observation key -> the dataset's keys whose per-step values, flattened and
     concatenated in this order, form it (``+bc.obs_keys.state=[qpos,qvel]``); a key not named here is read
@@ -466,6 +475,7 @@ class BCConfig:
         _positive("bc.max_grad_norm", self.max_grad_norm, allow_zero=True)
         _positive("bc.noise_draws", self.noise_draws)
         _positive("bc.target_aux_weight", self.target_aux_weight, allow_zero=True)
+        _positive("bc.translate", self.translate, allow_zero=True)
         _unit("bc.ema_decay", self.ema_decay)
 
 

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.bc import EMA, TargetHead, behaviour_cloning, cosine_with_warmup, pretrained_checkpoint
+from diffpolicy.bc import (
+    EMA,
+    TargetHead,
+    behaviour_cloning,
+    cosine_with_warmup,
+    pretrained_checkpoint,
+    translate_scene,
+)
 from diffpolicy.config import BCConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.demos import collect_demos
@@ -119,6 +126,41 @@ def test_target_head_scores_each_labelled_point():
     assert head.net[0].weight.grad.abs().sum() > 0
 
 
+def test_translate_scene_shifts_every_observed_position_and_nothing_else():
+    """bc.translate: points' xyz, the state's xyz triples and the label move by the window's offset; the
+    points' colours, the image and the batch's own tensors stay as they were."""
+    B, To, N = 2, 2, 5
+    obs = {
+        "points": torch.rand(B, To, N, 6),
+        "state": torch.rand(B, To, 9),
+        "rgb": torch.zeros(B, To, 4, 4, 3),
+    }
+    target = torch.rand(B, 6)
+    offset = torch.tensor([[0.1, -0.2, 0.0], [0.0, 0.3, 0.0]])
+    before = {k: v.clone() for k, v in obs.items()}
+    out, moved = translate_scene(obs, target, offset, state=True)
+    for b in range(B):
+        torch.testing.assert_close(out["points"][b, ..., :3], before["points"][b, ..., :3] + offset[b])
+        for j in range(3):  # hand, right pad, left pad
+            torch.testing.assert_close(
+                out["state"][b, :, 3 * j : 3 * j + 3], before["state"][b, :, 3 * j : 3 * j + 3] + offset[b]
+            )
+            if j < 2:
+                torch.testing.assert_close(
+                    moved[b, 3 * j : 3 * j + 3], target[b, 3 * j : 3 * j + 3] + offset[b]
+                )
+    torch.testing.assert_close(out["points"][..., 3:], before["points"][..., 3:])
+    assert out["rgb"] is obs["rgb"]
+    for k, v in obs.items():
+        torch.testing.assert_close(v, before[k])  # the batch itself is untouched
+    kept, _ = translate_scene(obs, None, offset, state=False)
+    torch.testing.assert_close(kept["state"], before["state"])
+    with pytest.raises(ValueError, match="xyz triples"):
+        translate_scene({"state": torch.rand(B, To, 4)}, None, offset, state=True)
+    with pytest.raises(ValueError, match="bc.translate"):
+        BCConfig(translate=-0.1)
+
+
 def test_behaviour_cloning_multimodal(tmp_path):
     """Multimodal BC with the auxiliary target loss and two noise draws per observation; the privileged
     label is recorded per step, served by the windows, logged as an error in cm, and not saved as policy."""
@@ -127,7 +169,7 @@ def test_behaviour_cloning_multimodal(tmp_path):
     assert data.has_target and "target_pos" not in data.obs_keys  # a label, never an observation
     first = data.target(torch.tensor([0]))
     assert first.shape == (1, 3) and 0.0 < float(first[0, 2]) < 0.2  # a cube resting on the table
-    algo = BCConfig(epochs=2, batch_size=16, target_aux_weight=1.0, noise_draws=2)
+    algo = BCConfig(epochs=2, batch_size=16, target_aux_weight=1.0, noise_draws=2, translate=0.02)
     with Logger(tmp_path, tensorboard=False, progress=False) as log:
         policy, metrics = behaviour_cloning(
             PICK, SMALL, algo, demos, CPU, log, tmp_path, 0, text_backend="hash"
@@ -147,6 +189,10 @@ def test_target_aux_needs_the_label(tmp_path, reach_demos):
         with pytest.raises(ValueError, match="record no 'target_pos'"):
             behaviour_cloning(REACH, SMALL, BCConfig(epochs=1, target_aux_weight=0.5), reach_demos, CPU,
                               log, tmp_path, 0)  # fmt: skip
+        with pytest.raises(ValueError, match="observe none"):  # a state-only dataset has no cloud to shift
+            behaviour_cloning(
+                REACH, SMALL, BCConfig(epochs=1, translate=0.05), reach_demos, CPU, log, tmp_path, 0
+            )
     with pytest.raises(ValueError, match="bc.noise_draws"):
         BCConfig(noise_draws=0)
     with pytest.raises(ValueError, match="bc.target_aux_weight"):

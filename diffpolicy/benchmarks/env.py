@@ -19,7 +19,8 @@ and, over ``state_steps`` steps with a pre-drawn sequence of random actions (no 
 | ``state_over_physics`` | time of a state step over the time of its physics: the median over repeats of the paired ratio |
 
 and, when the ``metaworld`` extra is installed, Meta-World (``metaworld_task``, default stick-pull; random
-actions, so episodes run to the 200-step limit):
+actions, so episodes run to the 200-step limit; the multimodal rows with ``env=metaworld``'s camera, point and
+drawing kwargs):
 
 | key | what |
 |---|---|
@@ -42,6 +43,7 @@ import copy
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("MUJOCO_GL", "egl")
@@ -148,6 +150,15 @@ def _state_and_physics(steps: int, repeats: int, seed: int) -> dict[str, float]:
     }
 
 
+def _metaworld_kwargs() -> dict[str, Any]:
+    """The env kwargs of ``conf/env/metaworld.yaml`` that change what a multimodal step renders."""
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "env" / "metaworld.yaml"
+    kwargs = OmegaConf.to_container(OmegaConf.load(conf).kwargs)
+    return {k: v for k, v in kwargs.items() if k != "label"}  # the label is a training record, not drawn
+
+
 def _metaworld(
     task: str, steps: int, repeats: int, seed: int, obs_every: int, **common: Any
 ) -> dict[str, Any]:
@@ -157,6 +168,7 @@ def _metaworld(
     except ImportError:
         return {"metaworld": "not installed (pip install -e '.[metaworld]')"}
     env_id = "diffpolicy_envs:MetaWorld-v0"
+    common = {**common, **_metaworld_kwargs()}  # the camera, points and drawing of ``env=metaworld``
     state, replan = [], []
     for r in range(repeats):  # paired: a load change on a shared machine moves both
         state.append(_steps_per_second(env_id, steps, 1, seed + r, task=task, obs_mode="state"))

@@ -28,7 +28,7 @@ Rendering is what costs (84 x 84 on one core, Mesa's software rasteriser: an RGB
 ``mujoco.Renderer`` 80 ms with shadows, reflections and multisampling; depth another 6 ms; a step ~0.6 ms).
 One offscreen context (:class:`_Camera`) draws each frame once, without them, and reads image and depth
 from that one draw; what it draws is the Sawyer's ~66 k mesh faces, so the camera's copy of the robot's
-meshes is simplified (``robot_mesh_cell``: vertices merged on a 1 cm grid, ~16 k faces, about half the
+meshes can be simplified (``robot_mesh_cell``, 0.01 in ``env=metaworld``: vertices merged on a 1 cm grid, ~16 k faces, about half the
 frame's time; physics keeps the exact model, and the task's objects are drawn exactly); and with ``obs_every = k`` the camera is rendered only on every k-th step after a reset (at the
 steps where a policy executing k actions per decision looks), the last ``rgb``/``points`` repeated in
 between (``info["obs_age"]``; ``request_obs()`` forces a render on the next step).
@@ -187,7 +187,8 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         point_sampling: how N points are drawn from the voxels: ``fps`` (farthest-point sampling from a
             seeded random start, as DP3: thin parts such as assembly's peg keep their points) or ``random``.
         robot_mesh_cell: grid (m) on which the camera's copy of the robot's meshes merges vertices (vertex
-            clustering, :func:`robot_meshes_simplified`); 0 draws the exact meshes.
+            clustering, :func:`robot_meshes_simplified`); 0 (the default, so that older checkpoints see what they
+            were trained on) draws the exact meshes; ``env=metaworld`` sets 0.01.
         label: what ``info["target_pos"]`` holds: ``object`` (the first object's position, (3,)), ``goal``
             (the goal's: where the object must go, e.g. assembly's peg, (3,)) or ``both`` (object then
             goal, (6,)).
@@ -210,7 +211,7 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         point_colors: bool = True,
         point_voxel: float = 0.01,
         point_sampling: str = "fps",
-        robot_mesh_cell: float = 0.01,
+        robot_mesh_cell: float = 0.0,
         label: str = "object",
         obs_every: int = 1,
         time_limit: int = 200,
