@@ -87,6 +87,8 @@ OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "bc.batch_size": 128,
         "bc.n_demos": 40,
         "bc.target_aux_weight": 0.0,
+        "bc.translate": 0.0,
+        "bc.translate_state": False,
     },
     "multimodal": {
         "policy.encoder.workspace_low": PICK_WORKSPACE[0],
@@ -97,6 +99,8 @@ OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "bc.batch_size": 64,
         "bc.n_demos": 100,
         "bc.target_aux_weight": 1.0,
+        "bc.translate": 0.0,
+        "bc.translate_state": False,
     },
 }
 """``env.obs_mode`` -> the values its null fields are derived to, the best BC recipe measured on mujoco_pick
@@ -449,15 +453,17 @@ class BCConfig:
     not part of the saved policy. 0 disables; needs demonstrations that record ``target_pos`` (MujocoPick).
     Null: derived from ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`): 0 for state (the state holds the
     target's position), 1 for multimodal (0.99 held-out against 0.71 without, docs/experiments.md 2026-12-01 late)."""
-    translate: float = 0.0
+    translate: float | None = None
     """Scene translation augmentation (m): every window's observed positions -- the points' xyz, the
     privileged label and, with ``bc.translate_state``, the state -- are shifted by one offset drawn
     uniformly from [-translate, translate] in x and y, the actions kept. Valid where actions are
     displacements that depend on relative positions only (Meta-World's hand deltas and its scripted
-    policies), so that 10 demonstrations show many placements; the RGB image is not shifted. 0 disables."""
-    translate_state: bool = False
+    policies), so that 10 demonstrations show many placements; the RGB image is not shifted. 0 disables.
+    Null: derived (:data:`ENV_DEFAULTS`; 0 elsewhere)."""
+    translate_state: bool | None = None
     """``bc.translate``: the state token is xyz triples in the points' frame (Meta-World's 9-D
-    proprioception: hand and finger pads) and is shifted with them; false leaves it as recorded."""
+    proprioception: hand and finger pads) and is shifted with them; false leaves it as recorded. Null:
+    derived, as ``bc.translate``."""
     obs_keys: dict[str, list[str]] = field(default_factory=dict)
     """``bc.demos``: environment observation key -> the dataset's keys whose per-step values, flattened and
     concatenated in this order, form it (``+bc.obs_keys.state=[qpos,qvel]``); a key not named here is read
@@ -842,12 +848,17 @@ def derive_from_obs_mode(
     env: EnvConfig, policy: PolicyConfig, bc: BCConfig, demos: str = ""
 ) -> tuple[PolicyConfig, BCConfig]:
     """``(policy, bc)`` with the fields that were left null (:data:`OBS_MODE_DEFAULTS`) derived from
-    ``env.obs_mode`` and, where it has its own (:data:`ENV_DEFAULTS`), ``env.name``; a value set on the
+    ``env.obs_mode`` and, where it has its own (:data:`ENV_DEFAULTS`), ``env.name`` (then
+    ``<env.name>:<env.obs_mode>``); a value set on the
     command line, in a YAML or in Python stays. Called by the configs that hold an environment and a BC
     (``train``, ``pretrain``), so ``env.obs_mode=multimodal`` alone gives the measured multimodal recipe. With
     demonstrations from elsewhere (``bc.demos``, or ``demos``) the auxiliary target loss is derived off: only
     the scripted expert records its privileged label."""
-    values = {**OBS_MODE_DEFAULTS[env.obs_mode], **ENV_DEFAULTS.get(env.name, {})}
+    values = {
+        **OBS_MODE_DEFAULTS[env.obs_mode],
+        **ENV_DEFAULTS.get(env.name, {}),
+        **ENV_DEFAULTS.get(f"{env.name}:{env.obs_mode}", {}),
+    }
     values = {k: list(v) if isinstance(v, list) else v for k, v in values.items()}
     encoder = {n: values[f"policy.encoder.{n}"] for n in getattr(policy.encoder, "_derived", ())}
     if encoder:
@@ -1183,7 +1194,15 @@ POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "ft_steps", "unexe
 DERIVED: dict[type, tuple[str, ...]] = {
     PolicyConfig: POLICY_DERIVED,
     EncoderConfig: ("use_state", "workspace_low", "workspace_high"),
-    BCConfig: ("epochs", "steps", "batch_size", "n_demos", "target_aux_weight"),
+    BCConfig: (
+        "epochs",
+        "steps",
+        "batch_size",
+        "n_demos",
+        "target_aux_weight",
+        "translate",
+        "translate_state",
+    ),
 }
 """Fields whose null default is derived when the config is built: from the component's own fields, or from
 ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`, :func:`derive_from_obs_mode`)."""

@@ -64,6 +64,7 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
                 "mean_return": round(val.mean_return, 2),
                 "episodes": val.episodes,
                 "first_seed": cfg.val_seed,
+                "failures": val.failures() if val.reports_success else None,
             }
     curve = plot_curve(
         run_dir / "metrics.jsonl", "losses/bc", run_dir / "bc_loss.png", title="behaviour cloning"

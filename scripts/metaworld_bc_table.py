@@ -38,30 +38,31 @@ PUBLISHED = {
 """DP3's published success (%, 10 demonstrations, DP3 Table XVIII) on the ten tasks the table compares."""
 
 
-def run_task(task: str, test: int, val: int, cache: str, extra: list[str]) -> dict:
-    """One pretrain run of ``task``; its summary plus the task's name."""
+def run_task(task: str, mode: str, test: int, val: int, cache: str, extra: list[str]) -> dict:
+    """One pretrain run of ``task`` in observation mode ``mode``; its summary plus the task's name."""
     cmd = [sys.executable, "-m", "diffpolicy.pretrain", "env=metaworld", f"env.task={task}",
-           f"eval_episodes={test}", f"val_episodes={val}", "log.progress=false", f"cache_dir={cache}",
-           f"hydra.run.dir=runs/metaworld_bc/{task}", *extra]  # fmt: skip
+           f"env.obs_mode={mode}", f"eval_episodes={test}", f"val_episodes={val}", "log.progress=false",
+           f"cache_dir={cache}", f"hydra.run.dir=runs/metaworld_bc/{task}-{mode}", *extra]  # fmt: skip
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"error: {task}: {out.stderr.strip().splitlines()[-1]}")
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"task": task, "total_s": round(time.perf_counter() - t0, 1), **summary}
+    return {"task": task, "obs_mode": mode, "total_s": round(time.perf_counter() - t0, 1), **summary}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| task | ours (test) | 95 % CI | val | DP3 | BC steps | BC min | total min |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| task | obs | ours (test) | 95 % CI | val | DP3 | failures (test) | BC steps | BC min | total min |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         dp3 = PUBLISHED.get(r["task"])
         ci = r.get("success_ci") or [None, None]
         val = (r.get("val") or {}).get("success_rate")
+        failures = ", ".join(f"{n} {k}" for k, n in (r.get("failures") or {}).items())
         lines.append(
-            f"| {r['task']} | {r['success_rate']:.2f} | [{ci[0]:.2f}, {ci[1]:.2f}] | "
-            f"{'' if val is None else f'{val:.2f}'} | {dp3} | {r['steps']} | "
-            f"{r['steps'] * r['s_per_step'] / 60:.1f} | {r['total_s'] / 60:.1f} |"
+            f"| {r['task']} | {r.get('obs_mode', 'multimodal')} | {r['success_rate']:.2f} | "
+            f"[{ci[0]:.2f}, {ci[1]:.2f}] | {'' if val is None else f'{val:.2f}'} | {dp3} | {failures} | "
+            f"{r['steps']} | {r['steps'] * r['s_per_step'] / 60:.1f} | {r['total_s'] / 60:.1f} |"
         )
     return "\n".join(lines)
 
@@ -71,24 +72,28 @@ def main() -> None:
     p.add_argument("--tasks", nargs="+", default=list(PUBLISHED))
     p.add_argument("--test", type=int, default=100, help="test episodes per task")
     p.add_argument("--val", type=int, default=50, help="validation episodes per task")
+    p.add_argument(
+        "--obs-mode",
+        default="multimodal",
+        choices=["multimodal", "state"],
+        help="multimodal (the table) or state (the 39-D state-only rows)",
+    )
     p.add_argument("--out", default="runs/metaworld_bc.jsonl")
     p.add_argument("--cache", default=os.environ.get("DIFFPOLICY_CACHE", "runs/cache"))
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every task (the same for all)")
     args = p.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = (
-        {json.loads(line)["task"]: json.loads(line) for line in out.read_text().splitlines()}
-        if out.is_file()
-        else {}
-    )
+    rows_read = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    done = {(r["task"], r.get("obs_mode", "multimodal")): r for r in rows_read}
     for task in args.tasks:
-        if task not in done:
-            done[task] = run_task(task, args.test, args.val, args.cache, args.overrides)
+        if (task, args.obs_mode) not in done:
+            row = run_task(task, args.obs_mode, args.test, args.val, args.cache, args.overrides)
+            done[task, args.obs_mode] = row
             with out.open("a") as f:
-                f.write(json.dumps(done[task]) + "\n")
-            print(f"{task}: {done[task]['success_rate']:.2f}", flush=True)
-    rows = [done[t] for t in args.tasks]
+                f.write(json.dumps(row) + "\n")
+            print(f"{task} ({args.obs_mode}): {row['success_rate']:.2f}", flush=True)
+    rows = [done[t, args.obs_mode] for t in args.tasks]
     print(table(rows))
     ours = [r["success_rate"] * 100 for r in rows]
     theirs = [PUBLISHED[t] for t in args.tasks if t in PUBLISHED]
