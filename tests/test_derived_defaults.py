@@ -94,6 +94,19 @@ def test_multimodal_alone_gives_its_measured_recipe_and_set_values_win(name: str
     assert (state.policy.encoder.use_state, state.bc.epochs, state.bc.batch_size) == (False, 7, 128)
 
 
+def test_an_environment_derives_per_observation_mode(compose) -> None:
+    """ENV_DEFAULTS: metaworld's step budget in both modes, its scene translation only where there are
+    points to shift (multimodal); a value set on the command line wins; pick keeps its epochs."""
+    mm = compose("pretrain", ["env=metaworld", "env.task=reach"]).bc
+    assert (mm.steps, mm.translate, mm.translate_state) == (3000, 0.05, True)
+    state = compose("pretrain", ["env=metaworld", "env.task=reach", "env.obs_mode=state"]).bc
+    assert (state.steps, state.translate, state.translate_state) == (3000, 0.0, False)
+    set_ = compose("pretrain", ["env=metaworld", "env.task=reach", "bc.translate=0", "bc.steps=0"]).bc
+    assert (set_.steps, set_.translate, set_.translate_state) == (0, 0.0, True)
+    pick = compose("pretrain", ["env.obs_mode=multimodal"]).bc
+    assert (pick.steps, pick.translate, pick.epochs) == (0, 0.0, 18)
+
+
 def test_a_yaml_value_wins_over_the_obs_mode_default(compose) -> None:
     """conf/experiment/quick.yaml sets 100 epochs of batch 64: both stay, use_state is derived."""
     cfg = compose("train", ["+experiment=quick", "env.obs_mode=multimodal"])

@@ -145,7 +145,7 @@ def test_tiny_metaworld_run(tmp_path: Path) -> None:
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "diffpolicy.train", "env=metaworld", "env.task=button-press",
            "env.num_envs=2", "env.vectorization=sync", "env.image_size=32", "env.n_points=64",
-           "bc.n_demos=2", "bc.epochs=1", "policy.down_dims=[32,64]", "policy.ddim_steps=4",
+           "bc.n_demos=2", "bc.steps=2", "policy.down_dims=[32,64]", "policy.ddim_steps=4",
            "algo.iterations=1", "algo.round_episodes=2", "algo.bc_steps=2", "eval_episodes=2",
            "video_episodes=0", "log.progress=false", "log.tensorboard=false",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip
