@@ -98,7 +98,7 @@ def test_an_environment_derives_per_observation_mode(compose) -> None:
     """ENV_DEFAULTS: metaworld's step budget in both modes, its scene translation only where there are
     points to shift (multimodal); a value set on the command line wins; pick keeps its epochs."""
     mm = compose("pretrain", ["env=metaworld", "env.task=reach"]).bc
-    assert (mm.steps, mm.translate, mm.translate_state) == (3000, 0.05, True)
+    assert (mm.steps, mm.translate, mm.translate_state) == (3000, 0.1, True)
     state = compose("pretrain", ["env=metaworld", "env.task=reach", "env.obs_mode=state"]).bc
     assert (state.steps, state.translate, state.translate_state) == (3000, 0.0, False)
     set_ = compose("pretrain", ["env=metaworld", "env.task=reach", "bc.translate=0", "bc.steps=0"]).bc

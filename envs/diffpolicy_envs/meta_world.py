@@ -139,13 +139,21 @@ TASKS = tuple(INSTRUCTIONS)
 def farthest_points(xyz: np.ndarray, n: int, start: int) -> np.ndarray:
     """Indices of ``n`` farthest-point samples of ``xyz`` (M, 3), M >= n, from row ``start``: each next point
     is the one farthest from those chosen so far. Returns (n,) int64."""
+    x, y, z = np.ascontiguousarray(xyz.T, dtype=np.float64)  # (M,) each: in-place ops on contiguous columns
     chosen = np.empty(n, np.int64)
     chosen[0] = start
     dist = np.full(len(xyz), np.inf)
+    d2, t = np.empty(len(xyz)), np.empty(len(xyz))
     for i in range(1, n):
-        d = xyz - xyz[chosen[i - 1]]
-        np.minimum(dist, np.einsum("ij,ij->i", d, d), out=dist)
-        chosen[i] = int(dist.argmax())
+        j = chosen[i - 1]
+        np.subtract(x, x[j], out=t)
+        np.multiply(t, t, out=d2)
+        for col in (y, z):
+            np.subtract(col, col[j], out=t)
+            np.multiply(t, t, out=t)
+            d2 += t
+        np.minimum(dist, d2, out=dist)
+        chosen[i] = dist.argmax()
     return chosen
 
 
