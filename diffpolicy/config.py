@@ -137,8 +137,9 @@ workspace is the env's point crop (world frame, ``diffpolicy_envs.meta_world.POI
 steps of batch 64 whatever the demonstrations' length (coffee-push 0.16 at 800 steps -> 0.36 at 3000); the
 auxiliary target loss on the task's goal (``env.kwargs.label: goal``, the env's privileged label: assembly
 0.18 without it -> 0.96); multimodal only: the scene shifted by up to 10 cm in x and y with the proprioception
-and the label (``bc.translate``: coffee-push 0.36 -> 0.46 at 5 cm -> 0.56 at 10 cm, assembly 1.00 at both), since 10 placements alone let BC
-memorise its scenes (10 of 10 training seeds, 0.36 validation) where the 39-D state policy generalises (0.94)."""
+and the label (``bc.translate``: coffee-push 0.36 -> 0.46 at 5 cm -> 0.56 at 10 cm, assembly 1.00 at both),
+since 10 placements alone let BC memorise its scenes (10 of 10 training seeds, 0.36 validation) where the
+39-D state policy generalises (0.94)."""
 
 
 def _derive_state_defaults(cfg: Any, prefix: str) -> None:
@@ -857,8 +858,7 @@ def derive_from_obs_mode(
 ) -> tuple[PolicyConfig, BCConfig]:
     """``(policy, bc)`` with the fields that were left null (:data:`OBS_MODE_DEFAULTS`) derived from
     ``env.obs_mode`` and, where it has its own (:data:`ENV_DEFAULTS`), ``env.name`` (then
-    ``<env.name>:<env.obs_mode>``); a value set on the
-    command line, in a YAML or in Python stays. Called by the configs that hold an environment and a BC
+    ``<env.name>:<env.obs_mode>``); a value set on the command line, in a YAML or in Python stays. Called by the configs that hold an environment and a BC
     (``train``, ``pretrain``), so ``env.obs_mode=multimodal`` alone gives the measured multimodal recipe. With
     demonstrations from elsewhere (``bc.demos``, or ``demos``) the auxiliary target loss is derived off: only
     the scripted expert records its privileged label."""

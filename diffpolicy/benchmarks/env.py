@@ -43,7 +43,6 @@ import copy
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("MUJOCO_GL", "egl")
@@ -151,12 +150,12 @@ def _state_and_physics(steps: int, repeats: int, seed: int) -> dict[str, float]:
 
 
 def _metaworld_kwargs() -> dict[str, Any]:
-    """The env kwargs of ``conf/env/metaworld.yaml`` that change what a multimodal step renders."""
+    """The env kwargs of ``conf/env/metaworld.yaml`` (its camera, points and drawing)."""
     from omegaconf import OmegaConf
 
-    conf = Path(__file__).resolve().parents[2] / "conf" / "env" / "metaworld.yaml"
-    kwargs = OmegaConf.to_container(OmegaConf.load(conf).kwargs)
-    return {k: v for k, v in kwargs.items() if k != "label"}  # the label is a training record, not drawn
+    from diffpolicy.cli import CONF_DIR
+
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "env" / "metaworld.yaml").kwargs)
 
 
 def _metaworld(

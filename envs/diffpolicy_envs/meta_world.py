@@ -28,8 +28,9 @@ Rendering is what costs (84 x 84 on one core, Mesa's software rasteriser: an RGB
 ``mujoco.Renderer`` 80 ms with shadows, reflections and multisampling; depth another 6 ms; a step ~0.6 ms).
 One offscreen context (:class:`_Camera`) draws each frame once, without them, and reads image and depth
 from that one draw; what it draws is the Sawyer's ~66 k mesh faces, so the camera's copy of the robot's
-meshes can be simplified (``robot_mesh_cell``, 0.01 in ``env=metaworld``: vertices merged on a 1 cm grid, ~16 k faces, about half the
-frame's time; physics keeps the exact model, and the task's objects are drawn exactly); and with ``obs_every = k`` the camera is rendered only on every k-th step after a reset (at the
+meshes can be simplified (``robot_mesh_cell``, 0.01 in ``env=metaworld``: vertices merged on a 1 cm grid,
+~16 k faces, about half the frame's time; physics keeps the exact model, and the task's objects are drawn
+exactly); and with ``obs_every = k`` the camera is rendered only on every k-th step after a reset (at the
 steps where a policy executing k actions per decision looks), the last ``rgb``/``points`` repeated in
 between (``info["obs_age"]``; ``request_obs()`` forces a render on the next step).
 
@@ -39,8 +40,8 @@ how the episode would end now: ``success``; ``never_reached`` (the hand never ca
 ``never_grasped`` (near it, but Meta-World never reported a grasp), ``timed_out`` (the rest) -- from
 Meta-World's own ``near_object`` and ``grasp_success`` flags. ``info["target_pos"]`` (3,) m is the
 position of the object the task moves (the first object of Meta-World's vector; ``label="goal"``: the goal's;
-``label="both"``: (6,), the object's then the goal's): privileged, a training-time label only (BC's auxiliary target loss), never an observation of the
-multimodal policy. The reward is Meta-World's (v3 reward
+``label="both"``: (6,), the object's then the goal's): privileged, a training-time label only (BC's
+auxiliary target loss), never an observation of the multimodal policy. The reward is Meta-World's (v3 reward
 functions), whose terms Meta-World reports in ``info`` (``grasp_reward``, ``in_place_reward``, ...).
 Actions: 4-D in [-1, 1], the hand's displacement (x, y, z, scaled by 1 cm) and the gripper's effort.
 """
@@ -479,13 +480,12 @@ class _Camera:
     def __init__(
         self, model: mujoco.MjModel, camera: int, size: int, drawn: mujoco.MjModel | None = None
     ) -> None:
-        model.vis.quality.offsamples = 0  # no multisampling (read when the context is made)
+        uploaded = model if drawn is None else drawn  # its meshes are drawn; geoms and poses come from model
+        uploaded.vis.quality.offsamples = 0  # no multisampling (read when the context is made)
         self.model = model
         self.gl = mujoco.GLContext(size, size)
         self.gl.make_current()
-        if drawn is not None:  # meshes uploaded from a simplified copy; geoms and poses still from ``model``
-            drawn.vis.quality.offsamples = 0
-        self.context = mujoco.MjrContext(drawn or model, mujoco.mjtFontScale.mjFONTSCALE_150)
+        self.context = mujoco.MjrContext(uploaded, mujoco.mjtFontScale.mjFONTSCALE_150)
         mujoco.mjr_setBuffer(mujoco.mjtFramebuffer.mjFB_OFFSCREEN, self.context)
         self.scene = mujoco.MjvScene(model, maxgeom=2000)
         self.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
