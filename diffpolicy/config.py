@@ -252,6 +252,10 @@ class EncoderConfig:
     Meta-World [0.7, 1.2, 0.7])."""
     token_dim: int = 128
     """Width of the per-modality tokens mixed by cross-modal attention."""
+    fusion: str = "attention"
+    """How the modality tokens become the condition: ``attention`` (a readout token and the tokens through
+    ``fusion_layers`` self-attention blocks, the instruction attending to them) or ``concat`` (the tokens and
+    the instruction's vector concatenated as they are, DP3's and diffusion_policy's fusion)."""
     fusion_heads: int = 4
     """Attention heads in the fusion block."""
     fusion_layers: int = 1
@@ -272,6 +276,7 @@ class EncoderConfig:
         if len(self.point_channels) == 0:
             raise ValueError("policy.encoder.point_channels is empty; give at least one MLP width")
         _positive("policy.encoder.point_keypoints", self.point_keypoints, allow_zero=True)
+        _choice("policy.encoder.fusion", self.fusion, ("attention", "concat"))
         if len(self.workspace_low) != 3 or len(self.workspace_high) != 3:
             raise ValueError("policy.encoder.workspace_low/high must each have 3 values (x, y, z in m)")
         if any(lo >= hi for lo, hi in zip(self.workspace_low, self.workspace_high)):

@@ -34,7 +34,7 @@ their defaults they stay out of the BC cache key, :func:`diffpolicy.bc.bc_key`, 
 POLICY_FIELDS_LEGACY: dict[str, Any] = {"unexecuted_weight": 1.0}
 """Fields of :data:`POLICY_FIELDS_ADDED` whose derived value can differ from how checkpoints written before
 them behaved: such a checkpoint gets this value, and at this value the field stays out of the BC cache key."""
-ENCODER_FIELDS_ADDED = ("blank_text",)
+ENCODER_FIELDS_ADDED = ("blank_text", "fusion")
 """EncoderConfig fields newer than some checkpoints, treated as :data:`POLICY_FIELDS_ADDED` are."""
 
 

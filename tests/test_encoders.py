@@ -150,6 +150,26 @@ def test_observation_encoder_respects_switches_and_history():
     torch.testing.assert_close(enc(o), enc(dict(o, state=o["state"] + 1.0)))  # the state is not read
 
 
+def test_concat_fusion_is_the_tokens_and_the_text_side_by_side():
+    """``fusion=concat`` (DP3's, diffusion_policy's): no readout, no attention; the head reads exactly the
+    modality tokens and the instruction's vector, so the condition is linear in them."""
+    cfg = EncoderConfig(**{**ENC.__dict__, "fusion": "concat"})
+    enc = ObservationEncoder(cfg, SPEC, n_obs_steps=2, cond_dim=20, text_backend="hash")
+    assert enc.readout is None and len(enc.layers) == 0 and not hasattr(enc, "cross")
+    n_vis = enc.encoders["rgb"].n_tokens + enc.encoders["points"].n_tokens + 1
+    assert enc.n_tokens == 2 * n_vis  # no readout token
+    assert enc.head.in_features == (enc.n_tokens + 1) * D
+    o = obs(to=2)
+    cond = enc(o)
+    assert cond.shape == (2, 20)
+    cond.sum().backward()
+    assert all(p.grad is not None for n, p in enc.named_parameters() if n.startswith("head."))
+    c2 = enc(dict(o, instruction=["pick the blue cube", "pick the red cube"]))
+    assert not torch.allclose(cond, c2, atol=1e-5)  # the instruction still reaches the condition
+    with pytest.raises(ValueError, match="policy.encoder.fusion"):
+        EncoderConfig(fusion="sum")
+
+
 def test_text_changes_condition():
     enc = ObservationEncoder(ENC, SPEC, n_obs_steps=1, cond_dim=20, text_backend="hash")
     o = obs()

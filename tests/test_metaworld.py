@@ -21,6 +21,7 @@ from diffpolicy_envs.meta_world import (
     INSTRUCTIONS,
     POINT_BOX_HIGH,
     POINT_BOX_LOW,
+    POINT_BOXES,
     TASKS,
     MetaWorldEnv,
     farthest_points,
@@ -61,6 +62,27 @@ def test_observations_follow_the_convention(env: MetaWorldEnv) -> None:
     assert obs["state"].shape == (9,)
     np.testing.assert_allclose(obs["state"][:3], env.full_state[:3], atol=0.06)
     assert info["outcome"] == "never_reached" and not info["is_success"]
+
+
+def test_point_box_reach_crops_to_the_hands_reach() -> None:
+    """``point_box=reach`` keeps the points the hand can reach (the same box for every task); the default
+    ``table`` crop is the one older checkpoints were trained with; an unknown name is one clear error."""
+    low, high = POINT_BOXES["reach"]
+    e = MetaWorldEnv("coffee-push", image_size=48, n_points=128, point_box="reach")
+    try:
+        table = MetaWorldEnv("coffee-push", image_size=48, n_points=128)
+        try:
+            pts = e.reset(seed=5)[0]["points"][:, :3]
+            wide = table.reset(seed=5)[0]["points"][:, :3]
+        finally:
+            table.close()
+    finally:
+        e.close()
+    assert np.all(pts >= low - 1e-6) and np.all(pts <= high + 1e-6)
+    outside = (wide < low - 1e-6).any(1) | (wide > high + 1e-6).any(1)
+    assert outside.sum() > 10  # the table crop spends points where the reach crop does not
+    with pytest.raises(ValueError, match="point_box='room' is not allowed"):
+        MetaWorldEnv("reach", point_box="room")
 
 
 def test_seeded_resets_repeat_and_differ(env: MetaWorldEnv) -> None:

@@ -136,21 +136,28 @@ class ObservationEncoder(nn.Module):
                 self.encoders["state"] = StateEncoder(self.state_dim, cfg.state_hidden, D)
         if self.use_text:
             self.text = TextEncoder(D, backend=text_backend)
-            self.cross = AttentionBlock(D, cfg.fusion_heads)
+            if cfg.fusion == "attention":
+                self.cross = AttentionBlock(D, cfg.fusion_heads)
         if not self.encoders and not self.use_text:
             raise ValueError(f"obs_spec {sorted(obs_spec)} has no modality enabled by policy.encoder.use_*")
         self.modalities = [k for k in TENSOR_KEYS if k in self.encoders]
         self.filmed = {k for k in ("rgb", "points") if film and k in self.encoders}
         """Modalities whose encoder the instruction FiLM-modulates."""
+        self.fusion = cfg.fusion
         self.step_embed = nn.Parameter(torch.zeros(n_obs_steps, D))
         self.type_embed = nn.ParameterDict({k: nn.Parameter(torch.zeros(D)) for k in self.modalities})
-        self.readout = nn.Parameter(torch.randn(D) * 0.02)
-        self.layers = nn.ModuleList(AttentionBlock(D, cfg.fusion_heads) for _ in range(cfg.fusion_layers))
+        attention = self.fusion == "attention"
+        self.readout = nn.Parameter(torch.randn(D) * 0.02) if attention else None
+        self.layers = nn.ModuleList(
+            AttentionBlock(D, cfg.fusion_heads) for _ in range(cfg.fusion_layers if attention else 0)
+        )
         # The readout token alone tends to average the modalities away (BC then learns an almost
         # unconditional policy), so the head reads every fused token: 1 readout + L modality tokens. No
         # LayerNorm before it: normalising the concatenation let training shrink the observation-dependent
         # part relative to a growing constant (the condition collapsed to ~3 % variation).
-        self.n_tokens = 1 + n_obs_steps * sum(
+        # With ``concat`` fusion (DP3's and diffusion_policy's) the tokens are concatenated as they are, and the
+        # instruction's vector with them: no readout, no attention.
+        self.n_tokens = int(attention) + n_obs_steps * sum(
             getattr(self.encoders[k], "n_tokens", 1) for k in self.modalities
         )
         out_in = self.n_tokens * D + (D if self.use_text else 0)
@@ -170,7 +177,7 @@ class ObservationEncoder(nn.Module):
     def forward(
         self, obs: Mapping[str, Any], augment: bool = False, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        device = self.readout.device
+        device = self.head.weight.device
         B = self._batch(obs)
         q = None
         if self.use_text:
@@ -204,15 +211,21 @@ class ObservationEncoder(nn.Module):
             t = t.view(B, To, -1, t.shape[-1])  # (B, To, n_k, D)
             t = t + self.step_embed[self.n_obs_steps - To :, None, :] + self.type_embed[k]
             tokens.append(t.flatten(1, 2))  # (B, To n_k, D)
-        seq = torch.cat([self.readout.expand(B, 1, -1), *tokens], dim=1)  # (B, 1 + L, D)
+        readout = [] if self.readout is None else [self.readout.expand(B, 1, -1)]
+        seq = torch.cat([*readout, *tokens], dim=1)  # (B, [1 +] L, D)
         for layer in self.layers:
             seq = self._ckpt(layer, seq)
         if seq.shape[1] != self.n_tokens:
+            r = len(readout)
             raise ValueError(
-                f"observation gives {seq.shape[1] - 1} tokens, the policy expects {self.n_tokens - 1} "
+                f"observation gives {seq.shape[1] - r} tokens, the policy expects {self.n_tokens - r} "
                 f"(To={self.n_obs_steps} steps of every modality)"
             )
-        out = seq.flatten(1)  # (B, (1 + L) D): the readout and every fused modality token
+        out = seq.flatten(1)  # (B, n_tokens D): the readout (attention) and every modality token
         if q is not None:
-            out = torch.cat([out, self._ckpt(self.cross, q.to(seq.dtype), seq)[:, 0]], dim=-1)
+            if self.readout is None:  # concat: the instruction's vector itself
+                text = q[:, 0].to(out.dtype)
+            else:  # attention: the instruction attends to the fused tokens
+                text = self._ckpt(self.cross, q.to(seq.dtype), seq)[:, 0]
+            out = torch.cat([out, text], dim=-1)
         return self.head(out)
