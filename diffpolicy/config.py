@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 MISSING_PATH = ""
 
@@ -528,6 +528,10 @@ class LearnerConfig:
     checkpoint (seeds 10 000 000 + ..., free); n > 0, n validation episodes (seeds ``val_seed`` + i, the same
     n every time, the held-out protocol), at the cost of their env steps, which the summary counts apart."""
 
+    judged_noise_free: ClassVar[bool] = False
+    """The learner's policy acts with every DDIM step's mean, so BC and its result are judged that way
+    (:func:`diffpolicy.evaluation.held_out`); a class constant of the learner, not a field."""
+
     def __post_init__(self) -> None:
         _choice("algo.head", self.head, HEADS)
         _positive("algo.rollback_episodes", self.rollback_episodes, allow_zero=True)
@@ -655,6 +659,7 @@ class ResidualConfig(PPOConfig):
 
     name: str = "residual"
     head: str = "residual"
+    judged_noise_free: ClassVar[bool] = True  # its base samples every DDIM step's mean
     residual_alpha: float = 0.1
     """Bound of the correction alpha * tanh(u), env action units ([-1, 1] per dimension)."""
     residual_hidden: list[int] = field(default_factory=lambda: [256, 256])
@@ -710,6 +715,7 @@ class FilteredBCConfig(LearnerConfig):
 
     name: str = "filtered_bc"
     head: str = "filtered_bc"
+    judged_noise_free: ClassVar[bool] = True  # its rollouts act noise-free by default (algo.explore)
     iterations: int = 10
     lr: float = 3e-4
     max_grad_norm: float = 10.0
@@ -912,7 +918,7 @@ class TrainConfig:
     val_seed: int = VAL_SEED
     """First validation seed (:data:`VAL_SEED`)."""
     eval_deterministic: bool = False
-    """Evaluate every DDIM step's mean only, rather than the stochastic chain that a chain head fine-tunes
+    """Evaluate every DDIM step's mean only, rather than the stochastic chain that the chain learner fine-tunes
     (the default, so that BC and PPO are judged as the policy that is trained). A residual head's base always
     samples deterministically. ``pretrain`` has the same field, evaluated the same way
     (:func:`diffpolicy.evaluation.held_out`), so their success rates compare."""
@@ -995,12 +1001,13 @@ class PretrainConfig:
     """First validation seed (:data:`VAL_SEED`), as ``train``'s."""
     eval_deterministic: bool = False
     """As ``train``'s: every DDIM step's mean (always so with ``algo.head=residual``, whose base samples that
-    way), else the stochastic chain a chain head fine-tunes."""
+    way), else the stochastic chain the chain learner fine-tunes."""
 
     def __post_init__(self) -> None:
         if isinstance(self.env, EnvConfig):  # first: the replace below would make the derived values set ones
             self.policy, self.bc = derive_from_obs_mode(self.env, self.policy, self.bc, self.demos)
         self.cache_dir = self.cache_dir or default_cache_dir()
+        self.algo = as_learner(self.algo)  # its class says how BC is judged (judged_noise_free)
         _positive("seed", self.seed, allow_zero=True)
         _positive("eval_episodes", self.eval_episodes, allow_zero=True)
         check_splits(self.val_seed, self.val_episodes, self.eval_seed, self.eval_episodes)

@@ -135,6 +135,11 @@ def mean_metrics(metrics: Mapping[str, float], info: DistInfo, device: torch.dev
     return dict(zip(keys, buf.tolist()))
 
 
+def rank_mean(value: float, info: DistInfo, device: torch.device) -> float:
+    """One scalar averaged over ranks: decisions that stop or scale an update must agree on every rank."""
+    return mean_metrics({"v": float(value)}, info, device)["v"]
+
+
 def sum_metrics(metrics: Mapping[str, float], info: DistInfo, device: torch.device) -> dict[str, float]:
     """Sum scalar metrics (counts such as environment steps) over ranks."""
     if not info.enabled or not metrics:

@@ -20,6 +20,7 @@ import torch
 from diffpolicy.config import EnvConfig, PretrainConfig, TrainConfig
 from diffpolicy.env_factory import make_envs, make_one_env, step_info
 from diffpolicy.policies.base import act, to_policy_obs
+from diffpolicy.policies.residual import ResidualPolicy, StepActor
 
 FAILED = "failed"
 """Outcome of an unsuccessful episode whose environment reports no ``info["outcome"]``."""
@@ -175,15 +176,13 @@ def evaluate(
     noise (and ``exploration``'s action noise) comes from generators seeded with ``seed``, so the result does
     not depend on the global RNG: one policy scores the same wherever it is evaluated. A policy that acts per
     control step (``acts_per_step``: base + residual) runs on control-step environments through
-    :func:`diffpolicy.policies.residual.evaluate_steps` with its deterministic correction (no exploration).
+    :func:`evaluate_steps` with its deterministic correction (no exploration).
     Each episode's final ``info["outcome"]`` and ``info["grasp_miss"]`` are kept (the failure map).
     """
     if seeds is not None:
         n_episodes = len(seeds)
     all_seeds = list(seeds) if seeds is not None else [seed + i for i in range(n_episodes)]
     if getattr(policy, "acts_per_step", False):
-        from diffpolicy.policies.residual import evaluate_steps
-
         venv = make_envs(cfg, n_action_steps, num_envs, seed, chunked=False)
         try:
             record = evaluate_steps(
@@ -272,6 +271,45 @@ class EpisodeRecord:
         self.lost_grip += [str(v) for v in self.lost[live]]
 
 
+def evaluate_steps(
+    policy: ResidualPolicy,
+    venv: Any,
+    *,
+    seeds: list[int],
+    seed: int,
+    num_envs: int,
+    device: torch.device,
+    autocast: Callable[[], Any] | None = None,
+) -> Any:
+    """Held-out episodes of a base + residual policy with the head's mean correction (deterministic).
+
+    Episode i uses seed ``seeds[i]``; episodes run in waves of ``num_envs`` control-step environments, each
+    wave until all its live environments finished once; the base's starting noise comes from a generator
+    seeded with ``seed``, so the result does not depend on the global RNG. Returns the filled
+    :class:`EpisodeRecord`.
+    """
+    was_training = policy.training
+    policy.eval()
+    actor = StepActor(policy, num_envs, device, autocast)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    record = EpisodeRecord(num_envs)
+    try:
+        for start in range(0, len(seeds), num_envs):
+            wave = seeds[start : start + num_envs]
+            obs, _ = venv.reset(seed=wave + [wave[-1]] * (num_envs - len(wave)))
+            actor.reset()
+            record.begin(np.arange(num_envs) < len(wave))
+            while not record.wave_done:
+                actions, _ = actor.act(obs, deterministic=True, generator=gen)
+                obs, reward, term, trunc, info = venv.step(actions)
+                record.step(reward, term, trunc, info, np.ones(num_envs, dtype=int))
+                actor.reset(term | trunc)
+            record.end()
+    finally:
+        policy.train(was_training)
+    return record
+
+
 def _result(record: EpisodeRecord) -> EvalResult:
     return EvalResult(
         success_rate=float(np.mean(record.successes)),
@@ -344,10 +382,6 @@ def reachability(
     return out
 
 
-DETERMINISTIC_HEADS = ("residual", "filtered_bc")
-"""Learners whose policy acts with every DDIM step's mean, so BC and the result are judged that way."""
-
-
 SPLITS = ("val", "test")
 """The held-out seed ranges: ``val`` (every choice reads it), ``test`` (the reported figure)."""
 
@@ -367,10 +401,10 @@ def held_out(
     that their success rates compare: the ``split``'s episodes (:func:`split_seeds`: validation, or the test
     seeds of the reported figure), in waves of
     min(``env.num_envs``, episodes) environments, on ``runtime``'s device and autocast. A chain policy takes
-    every DDIM step's mean when ``cfg.algo.head`` is residual (the residual's base samples that way: a BC
-    policy is judged as the residual head starts from it) or ``cfg.eval_deterministic``, else samples the
-    stochastic chain; a base + residual policy always runs its deterministic base and mean correction.
-    ``algo.head=filtered_bc`` is judged deterministically too (its rollouts default to it). ``episodes`` > 0
+    every DDIM step's mean when the learner says its policy acts that way (``cfg.algo.judged_noise_free``:
+    residual, whose base samples so, and filtered_bc, whose rollouts do) or ``cfg.eval_deterministic``, else
+    samples the stochastic chain; a base + residual policy always runs its deterministic base and mean
+    correction. ``episodes`` > 0
     takes the split's first that many instead (the rollback guard's validation check)."""
     seed, n = split_seeds(cfg, split)
     episodes = episodes or n
@@ -382,7 +416,7 @@ def held_out(
         seed=seed,
         num_envs=min(cfg.env.num_envs, episodes),
         device=runtime.device,
-        deterministic=cfg.algo.head in DETERMINISTIC_HEADS or cfg.eval_deterministic,
+        deterministic=cfg.algo.judged_noise_free or cfg.eval_deterministic,
         autocast=runtime.autocast,
     )
 
@@ -409,8 +443,6 @@ def record_video(
     policy.eval()
     try:
         if per_step:
-            from diffpolicy.policies.residual import StepActor
-
             actor, inner = StepActor(policy, 1, device), env.env  # step the env under the chunk wrapper
         for i in range(n_episodes):
             obs, _ = env.reset(seed=seed + i)

@@ -42,7 +42,7 @@ from diffpolicy.distributed import (
 from diffpolicy.evaluation import EvalResult, failure_counts, held_out, mean_interval, record_video
 from diffpolicy.logger import Logger
 from diffpolicy.policy_io import load_policy, save_policy
-from diffpolicy.rl.heads import make_head
+from diffpolicy.rl.learner import Learner, make_learner
 from diffpolicy.rl.stability import RollbackGuard
 
 
@@ -91,10 +91,6 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
     if hasattr(policy, "set_sampling"):  # this run's K', eta and std floor, whatever the checkpoint used
         p = cfg.policy
         policy.set_sampling(ft_steps=p.ft_steps, eta=p.eta, min_std=p.min_std)
-        algo = cfg.algo  # the chain learner's log-prob options; others sample without them
-        policy.logprob_min_std = getattr(algo, "logprob_min_std", 0.0)
-        policy.logprob_clamp = list(getattr(algo, "logprob_clamp", []))
-        policy.noise_clip = getattr(algo, "noise_clip", 0.0)
     policy.sampler_backend = "compiled" if cfg.policy.compile else "auto"
     policy.set_freeze_encoders(
         cfg.policy.freeze_encoders or not getattr(cfg.algo, "finetune_encoders", False)
@@ -131,13 +127,13 @@ def main(cfg: TrainConfig, run_dir: Path) -> dict:
 
 def fine_tune(
     cfg: TrainConfig, run_dir: Path, rt: Runtime, info: DistInfo, logger: Logger, start: float
-) -> tuple[dict | None, Any]:
-    """BC evaluation, iterations of the learner ``cfg.algo.head`` (chain, residual or filtered_bc), evaluation;
-    -> (summary, head)."""
+) -> tuple[dict | None, Learner]:
+    """BC evaluation, iterations of the learner ``cfg.algo.head`` (chain, residual, fpo, filtered_bc), evaluation;
+    -> (summary, learner)."""
     algo = cfg.algo
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
     policy, init_path = initial_policy(cfg, rt, info, run_dir)
-    head = make_head(cfg, rt, info, policy, logger)
+    learner = make_learner(cfg, rt, info, policy, logger)
     guard = RollbackGuard(algo.rollback_drop, logger=logger)
     ckpt_root, stable_root = run_dir / "checkpoints", run_dir / "checkpoints" / "stable"
 
@@ -145,7 +141,7 @@ def fine_tune(
     first_it, env_steps, bc, guard_steps = 0, 0, None, 0
     if cfg.resume and checkpoint.exists(ckpt_root):
         ckpt = checkpoint.load(ckpt_root, map_location=rt.device)
-        head.load_state(ckpt.state)
+        learner.load_state(ckpt.state)
         guard.best, guard.best_step = ckpt.state["guard"]["best"], ckpt.state["guard"]["best_step"]
         guard.stable_step = ckpt.state["guard"]["stable_step"]
         checkpoint.set_rng_state(ckpt.state["rng"])
@@ -154,12 +150,12 @@ def fine_tune(
         if info.is_main:
             truncate_metrics(run_dir, env_steps)
             logger.event("resume", f"resumed from {ckpt.path.name}", env_steps, iteration=first_it)
-    broadcast_parameters(head.modules(), info)
+    broadcast_parameters(learner.modules(), info)
     if bc is None:
         bc = {"successes": [], "outcomes": [], "returns": [], "reports_success": True, "val": None}
         if info.is_main:  # the BC policy on both splits: validation (choices) and test (the reported figure)
-            before = held_out(head.policy, cfg, rt, "test")
-            bc = {**eval_record(before), "val": eval_record(held_out(head.policy, cfg, rt, "val"))
+            before = held_out(learner.policy, cfg, rt, "test")
+            bc = {**eval_record(before), "val": eval_record(held_out(learner.policy, cfg, rt, "val"))
                   if cfg.val_episodes else None}  # fmt: skip
             first = {"eval/mean_return": float(np.mean(bc["returns"]))}
             if before.reports_success:
@@ -169,9 +165,9 @@ def fine_tune(
             logger.log(first, step=0)
     # an env without a success notion (Hopper) gets no success metrics, curve or summary fields: None, not 0.0
     goal = bool(bc.get("reports_success", True))
-    head.begin()
+    learner.begin()
 
-    # ---- PPO: one loop, either head
+    # ---- fine-tuning: one loop, whichever learner
     window = [0.0, 0.0]  # successes and episodes since the last checkpoint (a restart begins a new window)
     ppo_time, ppo_steps = 0.0, 0
     split = [0.0, 0.0, 0.0]  # this process's seconds of env stepping, policy sampling and updates
@@ -182,9 +178,9 @@ def fine_tune(
         for it in iterations:
             t_it = time.perf_counter()
             seed = iteration_seed(cfg, info, it)
-            stats = head.rollout(seed)
+            stats = learner.rollout(seed)
             t_roll = time.perf_counter() - t_it
-            losses = head.update(seed, env_steps, it)
+            losses = learner.update(seed, env_steps, it)
             counts = sum_metrics(
                 {"n": stats.env_steps, "ep": stats.episodes, "ok": stats.successes}, info, rt.device
             )
@@ -217,7 +213,7 @@ def fine_tune(
                 # episodes since the last checkpoint (none ended: no verdict)
                 rollback = False
                 if info.is_main and algo.rollback_episodes:
-                    judged = held_out(head.policy, cfg, rt, "val", algo.rollback_episodes)
+                    judged = held_out(learner.policy, cfg, rt, "val", algo.rollback_episodes)
                     guard_steps += judged.env_steps
                     logger.log({"val/guard_success_rate": judged.success_rate}, step=env_steps)
                     rollback = guard.update(judged.success_rate, it + 1).rollback
@@ -225,20 +221,20 @@ def fine_tune(
                     rollback = guard.update(window[0] / window[1], it + 1).rollback
                 window = [0.0, 0.0]
                 if broadcast_flag(rollback, info, rt.device) and checkpoint.exists(stable_root):
-                    restore_stable(stable_root, head, rt, logger, env_steps)
+                    restore_stable(stable_root, learner, rt, logger, env_steps)
                 if info.is_main:
-                    save(head, cfg, ckpt_root, stable_root, it + 1, guard, metrics, rollback,
+                    save(learner, cfg, ckpt_root, stable_root, it + 1, guard, metrics, rollback,
                          extra={"env_steps": env_steps, "bc_eval": bc, "init": str(init_path),
                                 "guard_env_steps": guard_steps})  # fmt: skip
                 barrier(info)
     finally:
-        head.close()
+        learner.close()
 
     # ---- after PPO: the same held-out seeds, a curve and a video
     summary: dict[str, Any] | None = None
     if info.is_main:
-        after_val = eval_record(held_out(head.policy, cfg, rt, "val")) if cfg.val_episodes else None
-        after = held_out(head.policy, cfg, rt, "test")  # once, at the end: the reported figure
+        after_val = eval_record(held_out(learner.policy, cfg, rt, "val")) if cfg.val_episodes else None
+        after = held_out(learner.policy, cfg, rt, "test")  # once, at the end: the reported figure
         goal = goal and after.reports_success
         last = {"eval/mean_return": after.mean_return}
         if goal:
@@ -246,7 +242,7 @@ def fine_tune(
         if after_val is not None:
             last.update(val_scalars(after_val))
         logger.log(last, step=env_steps)
-        artifacts(cfg, run_dir, head.policy, rt, success=goal)
+        artifacts(cfg, run_dir, learner.policy, rt, success=goal)
         n_bc, bc_returns = len(bc["successes"]), bc.get("returns", [])
         bc_rate = sum(bc["successes"]) / n_bc
         summary = {
@@ -290,7 +286,7 @@ def fine_tune(
             "wall_time_s": round(time.perf_counter() - start, 1),
         }
     barrier(info)
-    return summary, head
+    return summary, learner
 
 
 def eval_record(result: EvalResult) -> dict[str, Any]:
@@ -327,7 +323,7 @@ def split_summary(
 
 
 def save(
-    head: Any,
+    learner: Learner,
     cfg: TrainConfig,
     ckpt_root: Path,
     stable_root: Path,
@@ -338,14 +334,14 @@ def save(
     extra: dict[str, Any],
 ) -> None:
     """Write the PPO checkpoint (policy + everything to resume) and, unless rolled back, the stable one."""
-    art_state, art_extra = head.artifact()
+    art_state, art_extra = learner.artifact()
     state = {
-        **head.state(),
+        **learner.state(),
         **art_state,
         "guard": {"best": guard.best, "best_step": guard.best_step, "stable_step": guard.stable_step},
         "rng": checkpoint.rng_state(),
     }
-    policy = head.saved_policy()
+    policy = learner.saved_policy()
     save_policy(
         ckpt_root, iteration, policy, env_cfg=cfg.env, policy_cfg=cfg.policy, extra_state=state,
         metrics=metrics, extra={**extra, **art_extra},
@@ -357,11 +353,11 @@ def save(
         )  # fmt: skip
 
 
-def restore_stable(stable_root: Path, head: Any, rt: Runtime, logger: Logger, step: int) -> None:
+def restore_stable(stable_root: Path, learner: Learner, rt: Runtime, logger: Logger, step: int) -> None:
     """Roll the trained weights back to the last stable checkpoint (every rank loads the same weights)."""
     ckpt = checkpoint.load(stable_root, map_location=rt.device)
-    head.load_weights(ckpt.state)
-    head.on_rollback()
+    learner.load_weights(ckpt.state)
+    learner.on_rollback()
     logger.event("rollback", f"policy restored from stable checkpoint {ckpt.path.name}", step)
 
 

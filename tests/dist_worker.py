@@ -2,7 +2,9 @@
 
 Usage: python -m torch.distributed.run --nproc_per_node=2 tests/dist_worker.py OUT_DIR MODE
 MODE ``grad`` writes each rank's averaged gradient (:func:`diffpolicy.distributed.average_gradients`) and
-post-step parameters; MODE ``fail`` makes rank 1 raise while rank 0 waits in a collective.
+post-step parameters; MODE ``fail`` makes rank 1 raise while rank 0 waits in a collective; MODE ``kl``
+runs :class:`diffpolicy.rl.epochs.KLEpochs` with rank r's minibatches at KL r (rank 1 has two, rank 0 one)
+and writes how many epochs each rank ran.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from diffpolicy.distributed import (
     process_group,
     seed_for_rank,
 )
+from diffpolicy.rl.epochs import KLEpochs
 
 
 def model_and_batch() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -38,6 +41,14 @@ def main(out: Path, mode: str) -> None:
             if info.rank == 1:
                 raise RuntimeError("rank 1 failed on purpose")
             torch.distributed.barrier()  # rank 0 blocks here until torchrun tears the job down
+            return
+        if mode == "kl":  # rank 0 alone is under target_kl 0.6; the mean over minibatches (2/3) is above it
+            epochs = KLEpochs(4, 0.6, info, torch.device("cpu"))
+            for _ in epochs:
+                for _ in range(info.rank + 1):
+                    epochs.record(float(info.rank))
+                torch.distributed.barrier()  # a collective inside the pass, as the gradient all-reduce is
+            (out / f"epochs_rank{info.rank}.txt").write_text(f"{epochs.run} {epochs.stopped}")
             return
         model, x, y = model_and_batch()
         if info.rank == 1:  # rank 1 starts elsewhere: the broadcast gives every rank rank 0's parameters

@@ -23,9 +23,9 @@ from diffpolicy.env_factory import ActionChunkWrapper
 from diffpolicy.models.critic import Critic
 from diffpolicy.policies import DiffusionPolicy, make_policy
 from diffpolicy.rl.buffer import RolloutBuffer, ppo_specs
-from diffpolicy.rl.rollout import collect_rollout
+from diffpolicy.rl.chain.rollout import collect_rollout
+from diffpolicy.rl.chain.update import KL_STEP_FACTOR, ChainModules, ppo_update
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
-from diffpolicy.rl.update import KL_STEP_FACTOR, Learner, ppo_update
 
 B, TA, DA, TE, K, KP = 4, 16, 3, 4, 5, 3
 ENC = EncoderConfig(state_hidden=16, token_dim=16, fusion_heads=2)
@@ -202,7 +202,7 @@ def test_config_fields_are_validated() -> None:
 
 
 # ------------------------------------------------------------------ (4) every step bounded by target_kl
-def _update(lr: float, target_kl: float) -> tuple[dict, dict, dict, Learner]:
+def _update(lr: float, target_kl: float) -> tuple[dict, dict, dict, ChainModules]:
     """One ppo_update on a filled toy rollout: (metrics, weights before, weights after, learner)."""
     p = make(ft_steps=KP, freeze_encoders=True)
     T, N = 2, 4
@@ -214,7 +214,7 @@ def _update(lr: float, target_kl: float) -> tuple[dict, dict, dict, Learner]:
         buffer.add(state=o["state"][:, 0], chains=out.chain, logprobs=out.log_probs, values=0.0, rewards=0.0,
                    dones=0.0, valid=1.0, cond=out.cond)  # fmt: skip
     critic = Critic(16, hidden=(8,))
-    learner = Learner(p, critic, torch.optim.Adam(p.parameters(), lr=lr), torch.optim.Adam(critic.parameters()),
+    learner = ChainModules(p, critic, torch.optim.Adam(p.parameters(), lr=lr), torch.optim.Adam(critic.parameters()),
                       torch.amp.GradScaler("cpu", enabled=False))  # fmt: skip
     snapshot = StateSnapshot({"policy": p, "critic": critic}, [learner.actor_optim, learner.critic_optim])
     snapshot.capture()

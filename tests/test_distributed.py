@@ -81,6 +81,14 @@ def test_ddp_without_torchrun_says_how_to_launch(monkeypatch: pytest.MonkeyPatch
         pass
 
 
+def test_kl_early_stop_is_decided_on_every_rank_alike(tmp_path: Path) -> None:
+    """Rank 0 sees KL 0 (under target_kl), rank 1 sees 1 (over): a stop on the rank's own KL would let rank 0
+    go on to a pass whose collectives rank 1 never joins. Both stop after the first pass, on the mean."""
+    run = _torchrun(tmp_path, "kl")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert [(tmp_path / f"epochs_rank{r}.txt").read_text() for r in (0, 1)] == ["1 True", "1 True"]
+
+
 def test_one_ppo_iteration_on_two_ranks_leaves_identical_parameters(tmp_path: Path) -> None:
     from test_train import TINY_POLICY, TINY_RUN
 
@@ -110,6 +118,38 @@ def test_one_ppo_iteration_on_two_ranks_leaves_identical_parameters(tmp_path: Pa
     changed = [k for k in init if f"policy.{k}" in r0 and not torch.equal(init[k], r0[f"policy.{k}"])]
     assert changed, "PPO did not change the policy"
     assert (tmp_path / "summary.txt").read_text().startswith("{")
+
+
+def test_fpo_iteration_on_two_ranks_leaves_identical_parameters(tmp_path: Path) -> None:
+    """FPO's epochs stop on the KL averaged over ranks (``rl.epochs.KLEpochs``), so both ranks run the same
+    steps and end with the same weights (a stop on a rank's own KL could strand the other in an all-reduce)."""
+    from test_train import TINY_POLICY, TINY_RUN
+
+    from diffpolicy.cli import compose
+    from diffpolicy.policy_io import build_policy, env_spec, save_policy
+
+    cfg = compose("train", [*TINY_RUN, *TINY_POLICY])
+    spec, da = env_spec(cfg.env)
+    torch.manual_seed(0)
+    save_policy(
+        tmp_path / "init", 0, build_policy(cfg.policy, spec, da), env_cfg=cfg.env, policy_cfg=cfg.policy
+    )
+    extra = ["algo=fpo", "algo.n_steps=6", "algo.minibatch_size=4", "algo.update_epochs=3", "algo.lr=1e-3"]
+    extra += ["algo.target_kl=1e-4", "algo.mc_draws=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0"]
+    cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
+    cmd += [str(WORKER.with_name("dist_train_worker.py")), str(tmp_path), str(tmp_path / "init"), *extra]
+    run = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    r0, r1 = (load_file(str(tmp_path / f"params_rank{r}.safetensors")) for r in (0, 1))
+    for key in r0:
+        assert torch.equal(r0[key], r1[key]), key
+    from diffpolicy import checkpoint
+
+    init = checkpoint.load(tmp_path / "init").state["policy"]
+    assert any(not torch.equal(init[k], r0[f"policy.{k}"]) for k in init if f"policy.{k}" in r0)
 
 
 def test_residual_iteration_on_two_ranks_leaves_identical_heads(tmp_path: Path) -> None:

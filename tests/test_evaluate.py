@@ -27,10 +27,10 @@ SMALL = PolicyConfig(encoder=EncoderConfig(state_hidden=16, token_dim=16, fusion
 SAMPLING_USERS = [
     ("diffpolicy.evaluation", "evaluate"),
     ("diffpolicy.evaluation", "record_video"),
-    ("diffpolicy.rl.rollout", "collect_rollout"),
+    ("diffpolicy.rl.chain.rollout", "collect_rollout"),
 ]
 """(module, function) pairs that must act through ``policies.base.act``. Lead: add the PPO collector of
-``diffpolicy.train`` here if it ever stops being ``rl.rollout.collect_rollout``."""
+``diffpolicy.train`` here if it ever stops being ``rl.chain.rollout.collect_rollout``."""
 
 
 def _has_ffmpeg() -> bool:

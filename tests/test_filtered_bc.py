@@ -56,10 +56,10 @@ def test_keep_chooses_successes_or_top_returns() -> None:
     import pytest
 
     from diffpolicy.config import FilteredBCConfig
-    from diffpolicy.rl.filtered_bc import FilteredBCHead
+    from diffpolicy.rl.filtered_bc import FilteredBCLearner
 
-    def head(**kw: object) -> FilteredBCHead:
-        fake = object.__new__(FilteredBCHead)
+    def head(**kw: object) -> FilteredBCLearner:
+        fake = object.__new__(FilteredBCLearner)
         fake.cfg = SimpleNamespace(algo=FilteredBCConfig(**kw))
         return fake
 
@@ -200,7 +200,7 @@ def test_chunk_exploration_keeps_the_executed_noisy_actions(init_ckpt: Path, mon
     cfg = compose("train", [*run, *TINY_POLICY])
     rt = Runtime(device=torch.device("cpu"))
     policy = load_policy(init_ckpt, rt.device)[0]
-    head = filtered_bc.FilteredBCHead(cfg, rt, DistInfo(), policy, logger=None)
+    head = filtered_bc.FilteredBCLearner(cfg, rt, DistInfo(), policy, logger=None)
     planned: list[np.ndarray] = []
     real_act = filtered_bc.act
 

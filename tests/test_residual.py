@@ -19,9 +19,9 @@ from diffpolicy import checkpoint
 from diffpolicy.config import ResidualConfig
 from diffpolicy.distributed import DistInfo
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
-from diffpolicy.rl.residual import (
+from diffpolicy.rl.residual.update import (
     Evidence,
-    ResidualLearner,
+    ResidualModules,
     batch_evidence,
     residual_update,
     signal_drift,
@@ -124,7 +124,7 @@ def test_step_scale_is_the_positive_part_shrinkage() -> None:
 
 def _update(head: ResidualHead, strength: float, seed: int, **cfg_kw) -> tuple[dict, float]:
     critic = ResidualCritic(head.input_dim, (16,))
-    learner = ResidualLearner(
+    learner = ResidualModules(
         head, critic, torch.optim.Adam(head.parameters(), lr=3e-3), torch.optim.Adam(critic.parameters())
     )
     x, u, adv, _ = _batch(head, seed, strength, n=1024)
@@ -181,7 +181,7 @@ def test_rollback_trust_halves_the_step() -> None:
     full, _ = _update(_head(), 3.0, 0, residual_update="trust_region", max_drift=0.004)
     head = _head()
     critic = ResidualCritic(head.input_dim, (16,))
-    learner = ResidualLearner(
+    learner = ResidualModules(
         head, critic, torch.optim.Adam(head.parameters()), torch.optim.Adam(critic.parameters()), trust=0.5
     )
     x, u, adv, _ = _batch(head, 0, 3.0, n=1024)
@@ -204,7 +204,7 @@ def test_rollback_trust_halves_the_step() -> None:
 def test_trust_region_pools_batches_while_the_policy_stands_still() -> None:
     head = _head()
     critic = ResidualCritic(head.input_dim, (16,))
-    learner = ResidualLearner(
+    learner = ResidualModules(
         head, critic, torch.optim.Adam(head.parameters()), torch.optim.Adam(critic.parameters())
     )
     cfg = ResidualConfig(update_epochs=1, minibatch_size=256, signal_margin=1e6)  # never enough evidence

@@ -128,7 +128,7 @@ def test_sigkill_mid_run_then_resume_matches(
 
 
 def _chain_head(tmp_path: Path, init: Path, *options: str, shift: bool = True, perturb: bool = False):
-    """A chain head on the tiny run, its policy loaded as ``train`` loads it, after one seeded rollout.
+    """A chain learner on the tiny run, its policy loaded as ``train`` loads it, after one seeded rollout.
 
     One update epoch over one minibatch (all T x N = 6 decisions), so the update's reported losses are those
     of the stored batch under the loaded weights, before the step. With ``shift`` the stored log-probs move
@@ -138,7 +138,7 @@ def _chain_head(tmp_path: Path, init: Path, *options: str, shift: bool = True, p
     """
     from diffpolicy.device import Runtime
     from diffpolicy.distributed import DistInfo
-    from diffpolicy.rl.heads import make_head
+    from diffpolicy.rl.learner import make_learner
     from diffpolicy.train import initial_policy
 
     cfg = compose(
@@ -148,7 +148,7 @@ def _chain_head(tmp_path: Path, init: Path, *options: str, shift: bool = True, p
     )  # fmt: skip
     rt, info = Runtime.from_config(cfg.device), DistInfo()
     policy, _ = initial_policy(cfg, rt, info, tmp_path)
-    head = make_head(cfg, rt, info, policy, logger=None)
+    head = make_learner(cfg, rt, info, policy, logger=None)
     head.begin()
     head.rollout(seed=1)
     gen = torch.Generator().manual_seed(0)
@@ -169,7 +169,7 @@ def _update(head) -> dict[str, float]:
 def test_grpo_advantages_are_group_normalised(tmp_path: Path, init_ckpt: Path) -> None:
     """algo.advantage=grpo: G = 2 environments share each reset seed, every decision of an environment's
     first episode carries (R - mean_group R) / std_group R of that episode's return, and no critic learns."""
-    from diffpolicy.rl.heads import env_seeds
+    from diffpolicy.rl.learner import env_seeds
 
     head = _chain_head(tmp_path, init_ckpt, "algo.advantage=grpo", "algo.group_size=2", "algo.n_steps=6")
     assert env_seeds(head.cfg, 10) == [10, 10]

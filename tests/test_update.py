@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpolicy.rl.update import GradAgreement
+from diffpolicy.rl.chain.update import GradAgreement
 
 
 def _set_grads(params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:

@@ -2,7 +2,7 @@
 
 Builds the default multimodal policy (unet_small, fp32) for MujocoPick-v0's observation spec, fills a
 rollout buffer with T x N decisions whose observations and chains come from the policy itself on real
-environment observations, and times :func:`diffpolicy.rl.update.ppo_update` (one epoch per timed run, KL
+environment observations, and times :func:`diffpolicy.rl.chain.update.ppo_update` (one epoch per timed run, KL
 early stop disabled). ``decisions_per_s`` = decisions in the epoch / median seconds per epoch.
 """
 
@@ -22,11 +22,11 @@ from diffpolicy.env_factory import make_envs
 from diffpolicy.models.critic import Critic
 from diffpolicy.policy_io import build_policy, env_spec
 from diffpolicy.rl.buffer import RolloutBuffer
-from diffpolicy.rl.heads import chain_specs
+from diffpolicy.rl.chain.learner import chain_specs
+from diffpolicy.rl.chain.rollout import collect_rollout
+from diffpolicy.rl.chain.update import ChainModules, ppo_update
 from diffpolicy.rl.ppo import clip_schedule
-from diffpolicy.rl.rollout import collect_rollout
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
-from diffpolicy.rl.update import Learner, ppo_update
 
 
 def run(
@@ -51,7 +51,7 @@ def run(
     algo = ChainConfig(
         update_epochs=1, minibatch_size=minibatch_size, target_kl=0.0, n_steps=n_steps, iterations=1
     )
-    learner = Learner(
+    learner = ChainModules(
         policy=pol,
         critic=critic,
         actor_optim=torch.optim.AdamW([p for p in pol.parameters() if p.requires_grad], lr=algo.lr),
@@ -104,13 +104,13 @@ def residual_run(repeats: int = 5, num_envs: int = 16, n_steps: int = 120, **_: 
     with its shuffles, the signal-scaled actor epochs, the trust region) over T x N control steps of the
     default state observation, on synthetic inputs and advantages (the cost does not depend on them)."""
     from diffpolicy.models.residual import ResidualCritic, ResidualHead
-    from diffpolicy.rl.residual import ResidualLearner, residual_update
+    from diffpolicy.rl.residual.update import ResidualModules, residual_update
 
     cfg = compose("train", ["algo=residual", "device=cpu", "algo.signal_scaled_lr=false"])
     torch.manual_seed(0)
     head = ResidualHead(34, 7, 8, hidden=tuple(cfg.algo.residual_hidden))
     critic = ResidualCritic(head.input_dim, tuple(cfg.algo.residual_hidden))
-    learner = ResidualLearner(
+    learner = ResidualModules(
         head,
         critic,
         torch.optim.Adam(head.parameters(), lr=cfg.algo.lr),

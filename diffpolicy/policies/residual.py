@@ -7,8 +7,8 @@ the head adds ``alpha * tanh(u)`` to each of those actions as it is executed.
 
 :class:`StepActor` drives it over N environments that step one control step at a time: it keeps each
 environment's current chunk and position, replans (for those environments only) when a chunk is used up or
-an episode restarted, and builds the head's input. Training rollouts (:func:`diffpolicy.rl.residual
-.collect_steps`) and evaluation (:func:`evaluate_steps`) both act through it.
+an episode restarted, and builds the head's input. Training rollouts (:func:`diffpolicy.rl.residual.update
+.collect_steps`) and evaluation (:func:`diffpolicy.evaluation.evaluate_steps`) both act through it.
 """
 
 from __future__ import annotations
@@ -172,44 +172,3 @@ class StepActor:
         actions = self.policy.head.correct(base, u)
         self.pos += 1
         return actions.cpu().numpy().astype(np.float32), {"x": x, "u": u, "logprobs": logp, "base": base}
-
-
-def evaluate_steps(
-    policy: ResidualPolicy,
-    venv: Any,
-    *,
-    seeds: list[int],
-    seed: int,
-    num_envs: int,
-    device: torch.device,
-    autocast: Callable[[], Any] | None = None,
-) -> Any:
-    """Held-out episodes of a base + residual policy with the head's mean correction (deterministic).
-
-    Episode i uses seed ``seeds[i]``; episodes run in waves of ``num_envs`` control-step environments, each
-    wave until all its live environments finished once; the base's starting noise comes from a generator
-    seeded with ``seed``, so the result does not depend on the global RNG. Returns the filled
-    :class:`diffpolicy.evaluation.EpisodeRecord`.
-    """
-    from diffpolicy.evaluation import EpisodeRecord
-
-    was_training = policy.training
-    policy.eval()
-    actor = StepActor(policy, num_envs, device, autocast)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    record = EpisodeRecord(num_envs)
-    try:
-        for start in range(0, len(seeds), num_envs):
-            wave = seeds[start : start + num_envs]
-            obs, _ = venv.reset(seed=wave + [wave[-1]] * (num_envs - len(wave)))
-            actor.reset()
-            record.begin(np.arange(num_envs) < len(wave))
-            while not record.wave_done:
-                actions, _ = actor.act(obs, deterministic=True, generator=gen)
-                obs, reward, term, trunc, info = venv.step(actions)
-                record.step(reward, term, trunc, info, np.ones(num_envs, dtype=int))
-                actor.reset(term | trunc)
-            record.end()
-    finally:
-        policy.train(was_training)
-    return record

@@ -47,8 +47,7 @@ from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
 from diffpolicy.env_factory import make_envs, step_info
 from diffpolicy.evaluation import EpisodeRecord, Exploration
 from diffpolicy.policies.base import act, to_policy_obs
-from diffpolicy.rl.head_base import PolicyHead
-from diffpolicy.rl.rollout import RolloutStats
+from diffpolicy.rl.learner import PolicyLearner, RolloutStats, register
 
 TRAIN_SEED_BASE = 10_000_000
 """Training scenes start here: far from the demonstration seeds (0, 1, ...) and the held-out ones
@@ -123,7 +122,8 @@ def concat_batches(parts: list[tuple[dict[str, Any], torch.Tensor]]) -> tuple[di
     return obs, torch.cat([a for _, a in parts])
 
 
-class FilteredBCHead(PolicyHead):
+@register("filtered_bc")
+class FilteredBCLearner(PolicyLearner):
     """Success-filtered self-imitation on the whole diffusion policy (module docstring)."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger: Any) -> None:
@@ -154,9 +154,6 @@ class FilteredBCHead(PolicyHead):
         self.venv = make_envs(
             cfg.env, policy.n_action_steps, cfg.env.num_envs, seed_for_rank(cfg.seed, info.rank)
         )
-
-    def begin(self) -> None:
-        """Nothing to prepare."""
 
     # ------------------------------------------------------------------------------------------ rollout
     def rollout(self, seed: int) -> RolloutStats:

@@ -11,7 +11,7 @@ rollout's weights on the same draws, and enters PPO's clipped surrogate with GAE
 the observation. So it trains the whole denoiser (every noise level, not the last K' DDIM steps) with the loss
 BC uses, the PPO form of "imitate what worked, more where the advantage is larger".
 
-Rollouts are the chain head's (:func:`diffpolicy.rl.rollout.collect_rollout`: the stochastic DDIM chain,
+Rollouts are the chain learner's (:func:`diffpolicy.rl.chain.rollout.collect_rollout`: the stochastic DDIM chain,
 eta and ``policy.min_std``), so exploration is the same as DPPO's; only the update differs.
 """
 
@@ -31,10 +31,12 @@ from diffpolicy.env_factory import make_envs
 from diffpolicy.models.critic import Critic
 from diffpolicy.rl.advantages import gae_advantages, normalize
 from diffpolicy.rl.buffer import RolloutBuffer
-from diffpolicy.rl.head_base import PolicyHead
-from diffpolicy.rl.ppo import value_loss
-from diffpolicy.rl.rollout import RolloutStats, collect_rollout
-from diffpolicy.rl.update import batch_obs
+from diffpolicy.rl.chain.learner import chain_specs
+from diffpolicy.rl.chain.rollout import collect_rollout
+from diffpolicy.rl.chain.update import batch_obs
+from diffpolicy.rl.epochs import KLEpochs
+from diffpolicy.rl.learner import PolicyLearner, RolloutStats, register
+from diffpolicy.rl.ppo import clipped_surrogate, value_loss
 
 
 def denoising_losses(policy: Any, x0: Tensor, cond: Tensor, t: Tensor, eps: Tensor, n_exec: int) -> Tensor:
@@ -61,9 +63,9 @@ def fpo_ratio_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate with FPO's ratio exp(mean_i (old - new)); new/old (B, M), adv (B,) -> scalar."""
     log_ratio = (old_loss - new_loss).mean(dim=1).clamp(-20.0, 20.0)  # (B,)
-    ratio = log_ratio.exp()
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    surrogate, _ = clipped_surrogate(log_ratio, adv, clip_eps)
     with torch.no_grad():
+        ratio = log_ratio.exp()
         stats = {
             "clipfrac": ((ratio - 1).abs() > clip_eps).float().mean(),
             "approx_kl": ((ratio - 1) - log_ratio).mean(),
@@ -72,12 +74,11 @@ def fpo_ratio_loss(
     return -surrogate.mean(), stats
 
 
-class FPOHead(PolicyHead):
-    """FPO on the whole denoiser of ``policy``: the chain head's rollout, the denoising-loss ratio's update."""
+@register("fpo")
+class FPOLearner(PolicyLearner):
+    """FPO on the whole denoiser of ``policy``: the chain learner's rollout, the denoising-loss ratio's update."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger: Any) -> None:
-        from diffpolicy.rl.heads import chain_specs
-
         if not hasattr(policy, "denoiser"):
             raise ValueError("algo=fpo needs a diffusion policy (policy.kind=diffusion)")
         algo = cfg.algo
@@ -93,9 +94,6 @@ class FPOHead(PolicyHead):
             algo.n_steps, cfg.env.num_envs, chain_specs(policy, cfg.policy.cond_dim), rt.device
         )
         self._last: tuple[Tensor, Tensor] | None = None
-
-    def begin(self) -> None:
-        """Nothing to prepare."""
 
     def rollout(self, seed: int) -> RolloutStats:
         algo, n = self.cfg.algo, self.cfg.env.num_envs
@@ -138,8 +136,8 @@ class FPOHead(PolicyHead):
         count = 0
         params = self.actor_params + list(self.critic.parameters())
         extra = {"advantages": adv, "returns": ret, "t": t, "eps": eps, "old": old}
-        for _ in range(algo.update_epochs):
-            epoch_kl, epoch_n = 0.0, 0
+        epochs = KLEpochs(algo.update_epochs, algo.target_kl, self.info, device)
+        for _ in epochs:
             for mb in self.buffer.minibatches(algo.minibatch_size, gen, extra=extra):
                 with self.rt.autocast():
                     cond = self._cond(mb)
@@ -159,11 +157,10 @@ class FPOHead(PolicyHead):
                                     *((f"losses/{k}", v) for k, v in stats.items())):  # fmt: skip
                     sums[name] += float(value.detach())
                 count += 1
-                epoch_kl, epoch_n = epoch_kl + float(stats["approx_kl"]), epoch_n + 1
-            if algo.target_kl > 0 and epoch_n and epoch_kl / epoch_n > algo.target_kl:
-                break
+                epochs.record(float(stats["approx_kl"]))  # the stop compares the KL averaged over ranks
         policy.eval()
         out = {k: v / max(1, count) for k, v in sums.items()}
+        out["losses/epochs"] = float(epochs.run)
         out["rollout/advantage_std"] = float(adv.std())
         return out
 

@@ -71,6 +71,29 @@ def approx_kl(new_logp: Tensor, old_logp: Tensor) -> Tensor:
     return (torch.expm1(log_ratio) - log_ratio).mean()
 
 
+def clipped_surrogate(
+    log_ratio: Tensor, adv: Tensor, clip_eps: Tensor | float, *, mode: str = "ppo"
+) -> tuple[Tensor, Tensor]:
+    """PPO's surrogate per element, the one every learner uses (chain, residual, FPO).
+
+    Args:
+        log_ratio: log r = log pi_new - log pi_old, any shape (with grad).
+        adv: advantages broadcastable to ``log_ratio`` (detached).
+        clip_eps: the clip range, a float or a tensor broadcastable to ``log_ratio``.
+        mode: ``"ppo"``, min(r A, clip(r) A) | ``"unconditional"``, clip(r) A.
+
+    Returns:
+        ``(surrogate, clipped)``, both shaped like ``log_ratio``: the surrogate to maximise and the clipped
+        ratio. clip(exp(x), lo, hi) is taken as exp(clip(x, log lo, log hi)): the same value and gradient
+        (exp(x) inside, 0 outside), and it never overflows however wild the ratio is.
+    """
+    eps = torch.as_tensor(clip_eps, dtype=torch.float32, device=log_ratio.device)
+    clipped = torch.exp(torch.clamp(log_ratio, torch.log1p(-eps), torch.log1p(eps)))
+    if mode == "unconditional":
+        return clipped * adv, clipped
+    return torch.minimum(torch.exp(log_ratio) * adv, clipped * adv), clipped
+
+
 def policy_loss(
     new_logp: Tensor,
     old_logp: Tensor,
@@ -108,14 +131,7 @@ def policy_loss(
         a = a[:, None]  # (B, 1), broadcast over K'
     eps = _clip_range(clip_eps, new)  # (1, K') or scalar
     log_ratio = new - old  # (B, K')
-    # clip(exp(x), lo, hi) == exp(clip(x, log lo, log hi)), with the same gradient (exp(x) inside, 0
-    # outside), but it never overflows however wild the ratio is.
-    clipped = torch.exp(torch.clamp(log_ratio, torch.log1p(-eps), torch.log1p(eps)))  # (B, K')
-    if mode == "ppo":
-        ratio = torch.exp(log_ratio)
-        surrogate = torch.minimum(ratio * a, clipped * a)
-    else:
-        surrogate = clipped * a
+    surrogate, clipped = clipped_surrogate(log_ratio, a, eps, mode=mode)  # (B, K') each
     if normalize == "mean":
         loss = -surrogate.mean()
     else:

@@ -26,10 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from diffpolicy.config import ChainConfig
-from diffpolicy.distributed import DistInfo, average_gradients, mean_metrics
+from diffpolicy.distributed import DistInfo, average_gradients, rank_mean
 from diffpolicy.modalities import KEYS
 from diffpolicy.rl.advantages import denoise_discount, normalize
 from diffpolicy.rl.buffer import RolloutBuffer
+from diffpolicy.rl.epochs import KLEpochs
 from diffpolicy.rl.ppo import approx_kl, policy_loss, regularizer, value_loss
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot, nan_guard
 
@@ -40,7 +41,7 @@ which is what ends a well-behaved update; a single step that overshoots by half 
 
 
 @dataclass
-class Learner:
+class ChainModules:
     """Everything the update changes: the policy, the critic, their optimisers and the fp16 grad scaler."""
 
     policy: nn.Module
@@ -71,7 +72,7 @@ def batch_obs(mb: dict[str, Tensor], buffer: RolloutBuffer) -> dict[str, Any]:
 
 
 def ppo_update(
-    learner: Learner,
+    learner: ChainModules,
     buffer: RolloutBuffer,
     advantages: Tensor,
     returns: Tensor,
@@ -102,13 +103,13 @@ def ppo_update(
     params = learner.params()
     sums: dict[str, float] = defaultdict(float)
     count, skipped, epochs_run, kl_stops = 0, 0, 0, 0
+    epochs = KLEpochs(cfg.update_epochs, cfg.target_kl, info, runtime.device)
     actor_params = [p for p in policy.parameters() if p.requires_grad]
     agreement = GradAgreement()
     # Frozen encoders give back the condition stored at rollout time (the reference policy's too: its
     # encoders are the same frozen copy), so the minibatch observations need not be rebuilt or re-encoded.
     reuse_cond = bool(getattr(policy, "encoders_frozen", False)) and "cond" in buffer.fields
-    for _ in range(cfg.update_epochs):
-        epoch_kl, epoch_n = 0.0, 0
+    for epoch in epochs:
         extra = {"advantages": advantages, "returns": returns}
         for mb in buffer.minibatches(cfg.minibatch_size, generator, extra=extra):
             keep = mb["valid"] > 0.5  # (B,)
@@ -158,7 +159,7 @@ def ppo_update(
                 learner.scaler.update()
                 skipped += 1
                 continue
-            if epochs_run == 0:  # disjoint minibatches of one rollout: do their gradients agree?
+            if epoch == 0:  # disjoint minibatches of one rollout: do their gradients agree?
                 agreement.update(actor_params)
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))  # 0 disables
             monitor.update(norm, step=step)
@@ -166,8 +167,10 @@ def ppo_update(
             learner.scaler.step(learner.critic_optim)
             learner.scaler.update()
             if cfg.target_kl > 0:  # bound this step itself (the first one is bounded by nothing else)
-                kl_after = _mean_over_ranks(
-                    _kl_after_step(policy, chain, old_logp, mb, obs, reuse_cond, runtime), info, runtime
+                kl_after = rank_mean(
+                    _kl_after_step(policy, chain, old_logp, mb, obs, reuse_cond, runtime),
+                    info,
+                    runtime.device,
                 )
                 if not kl_after <= KL_STEP_FACTOR * cfg.target_kl:  # a non-finite KL is undone too
                     snapshot.restore(step=step)
@@ -178,7 +181,7 @@ def ppo_update(
             if not kl_stops:
                 snapshot.capture()
             kl = float(stats["approx_kl"])
-            epoch_kl, epoch_n = epoch_kl + kl, epoch_n + 1
+            epochs.record(kl)
             for name, value in (
                 (
                     "losses/policy",
@@ -197,14 +200,8 @@ def ppo_update(
             count += 1
             if kl_stops:
                 break
-        epochs_run += 1
-        if kl_stops:
-            break
-        if (
-            cfg.target_kl > 0
-            and epoch_n
-            and _mean_over_ranks(epoch_kl / epoch_n, info, runtime) > cfg.target_kl
-        ):
+        epochs_run = epoch + 1
+        if kl_stops:  # the same on every rank: kl_after is their mean
             break
     out = {k: v / max(count, 1) for k, v in sums.items()}
     if agreement.n:
@@ -246,7 +243,7 @@ class GradAgreement:
 
 
 def _critic_step(
-    learner: Learner,
+    learner: ChainModules,
     mb: dict[str, Tensor],
     obs: dict[str, Any] | None,
     reuse_cond: bool,
@@ -283,8 +280,3 @@ def _kl_after_step(
         cond = mb["cond"] if reuse_cond else policy.encode(obs, augment=False)
         new_logp = policy.log_prob(chain, cond=cond).float()  # (B, K')
     return float(approx_kl(new_logp, old_logp))
-
-
-def _mean_over_ranks(value: float, info: DistInfo, runtime: Any) -> float:
-    """Early-stopping decisions must agree on every rank."""
-    return mean_metrics({"losses/kl": value}, info, runtime.device)["losses/kl"]

@@ -1,14 +1,14 @@
-"""The chain head's PPO rollout: seeded decisions from vector environments into a rollout buffer.
+"""The chain learner's rollout: seeded decisions from vector environments into a rollout buffer.
 
 Every decision acts through :func:`diffpolicy.policies.base.act` (the sampling path of evaluation too) and
-stores the fine-tuned chain and its log-probabilities; :class:`RolloutStats` sums up the episodes it saw.
+stores the fine-tuned chain and its log-probabilities; :class:`~diffpolicy.rl.learner.RolloutStats` sums up
+the episodes it saw. FPO and filtered_bc's chain exploration roll out through it too.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
@@ -17,28 +17,7 @@ import torch
 
 from diffpolicy.env_factory import stack_final_obs, step_info
 from diffpolicy.policies.base import act, to_policy_obs
-
-
-@dataclass
-class RolloutStats:
-    """What one PPO rollout saw."""
-
-    env_steps: int = 0
-    """Environment (control) steps executed, summed over environments."""
-    episodes: int = 0
-    """Episodes that ended during the rollout."""
-    successes: int = 0
-    """Of those, successful ones."""
-    returns: list[float] = field(default_factory=list)
-    """Return of every ended episode."""
-    policy_s: float = 0.0
-    """Seconds spent sampling the policy (and critic) during the rollout."""
-    env_s: float = 0.0
-    """Seconds spent stepping the environments during the rollout."""
-
-    @property
-    def success_rate(self) -> float:
-        return self.successes / self.episodes if self.episodes else float("nan")
+from diffpolicy.rl.learner import RolloutStats
 
 
 @torch.no_grad()
@@ -110,9 +89,7 @@ def collect_rollout(
         ep_return += reward
         succ = step_info(info, "is_success", num_envs, False).astype(bool)
         for i in np.flatnonzero(done & valid):
-            stats.episodes += 1
-            stats.successes += int(succ[i])
-            stats.returns.append(float(ep_return[i]))
+            stats.end_episode(ep_return[i], succ[i])
         ep_return[done] = 0.0
         finished |= done
         obs = next_obs

@@ -42,14 +42,15 @@ from torch import Tensor
 from torch.func import functional_call, jvp
 
 from diffpolicy.config import ResidualConfig
-from diffpolicy.distributed import DistInfo, average_gradients, mean_metrics
+from diffpolicy.distributed import DistInfo, average_gradients, rank_mean
 from diffpolicy.env_factory import stack_final_obs, step_info
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
 from diffpolicy.policies.residual import StepActor
 from diffpolicy.rl.advantages import normalize
 from diffpolicy.rl.buffer import RolloutBuffer
-from diffpolicy.rl.ppo import approx_kl, value_loss
-from diffpolicy.rl.rollout import RolloutStats
+from diffpolicy.rl.epochs import KLEpochs
+from diffpolicy.rl.learner import RolloutStats
+from diffpolicy.rl.ppo import approx_kl, clipped_surrogate, value_loss
 
 
 def residual_specs(input_dim: int, action_dim: int) -> dict[str, Any]:
@@ -119,9 +120,7 @@ def collect_steps(
         ep_return += reward
         succ = step_info(info, "is_success", n, False).astype(bool)
         for i in np.flatnonzero(done):
-            stats.episodes += 1
-            stats.successes += int(succ[i])
-            stats.returns.append(float(ep_return[i]))
+            stats.end_episode(ep_return[i], succ[i])
         ep_return[done] = 0.0
         elapsed = np.where(done, 0.0, elapsed + 1)
         actor.reset(done)
@@ -266,7 +265,7 @@ def step_scale(signal: float, margin: float) -> float:
 
 # --------------------------------------------------------------------------------------------- update
 @dataclass
-class ResidualLearner:
+class ResidualModules:
     """What the residual update changes: the head, its critic, their optimisers and the pooled evidence."""
 
     head: ResidualHead
@@ -279,7 +278,7 @@ class ResidualLearner:
 
 
 def residual_update(
-    learner: ResidualLearner,
+    learner: ResidualModules,
     data: dict[str, Tensor],
     advantages: Tensor,
     returns: Tensor,
@@ -320,7 +319,7 @@ def residual_update(
         grad, refs = pool.mean()
     _, real, ref = signal_drift(head, x, grad, refs)
     # ranks measure drift on their own batches: agree on one value, or their parameters would part
-    real, ref = _mean(real, info, x.device), _mean(ref, info, x.device)
+    real, ref = rank_mean(real, info, x.device), rank_mean(ref, info, x.device)
     signal = (real + 1e-12) / (ref + 1e-12)
     w = step_scale(signal, cfg.signal_margin) if cfg.signal_scaled_lr else 1.0
     out.update({
@@ -332,7 +331,7 @@ def residual_update(
     before = [p.detach().clone() for p in head.parameters()]
     if w > 0 and cfg.residual_update == "trust_region":
         # one step down the pooled surrogate gradient, sized so that its first-order drift is w * max_drift
-        per_unit = _mean(float(correction_drift(head, x, grad)), info, x.device)
+        per_unit = rank_mean(float(correction_drift(head, x, grad)), info, x.device)
         if per_unit > 0 and max_drift > 0:
             eta = w * max_drift / per_unit
             with torch.no_grad():
@@ -344,7 +343,7 @@ def residual_update(
 
     # ---- trust region on the executed correction (also catches the first-order step's curvature)
     with torch.no_grad():
-        drift = _mean(
+        drift = rank_mean(
             float((head.alpha * torch.tanh(head(x)) - corr0).square().mean().sqrt()), info, x.device
         )
         if max_drift > 0 and drift > max_drift:
@@ -362,7 +361,7 @@ def residual_update(
 
 
 def _critic_epochs(
-    learner: ResidualLearner,
+    learner: ResidualModules,
     x: Tensor,
     elapsed: Tensor,
     ret: Tensor,
@@ -390,7 +389,7 @@ def _critic_epochs(
 
 
 def _ppo_epochs(
-    learner: ResidualLearner,
+    learner: ResidualModules,
     x: Tensor,
     u: Tensor,
     old_logp: Tensor,
@@ -407,16 +406,15 @@ def _ppo_epochs(
     for group in learner.actor_optim.param_groups:
         group["lr"] = cfg.lr * w
     n, params = 0, list(head.parameters())
-    for epoch in range(cfg.update_epochs):
+    epochs = KLEpochs(cfg.update_epochs, cfg.target_kl, info, x.device)
+    for epoch in epochs:
         perm = torch.randperm(total, generator=generator).to(x.device)
-        kl_sum, kl_n = 0.0, 0
         for start in range(0, total, mb):
             idx = perm[start : start + mb]
             a = normalize(adv_all[idx]) if cfg.norm_adv else adv_all[idx]
             new_logp = head.log_prob(x[idx], u[idx])
-            ratio = (new_logp - old_logp[idx]).exp()
-            eps = cfg.clip_eps
-            surrogate = torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
+            log_ratio = new_logp - old_logp[idx]
+            surrogate, _ = clipped_surrogate(log_ratio, a, cfg.clip_eps)
             loss = -surrogate.mean() - cfg.ent_coef * head.entropy()
             if cfg.residual_l2 > 0:  # pull the correction toward zero (the base policy)
                 loss = loss + cfg.residual_l2 * torch.tanh(head(x[idx])).square().sum(-1).mean()
@@ -429,15 +427,9 @@ def _ppo_epochs(
                 kl = float(approx_kl(new_logp.detach(), old_logp[idx]))
                 sums["losses/policy"] += float(-surrogate.mean().detach())
                 sums["losses/approx_kl"] += kl
-                sums["losses/clipfrac"] += float(((ratio - 1).abs() > eps).float().mean())
-            kl_sum, kl_n, n = kl_sum + kl, kl_n + 1, n + 1
+                sums["losses/clipfrac"] += float((log_ratio.exp() - 1).abs().gt(cfg.clip_eps).float().mean())
+            epochs.record(kl)
+            n += 1
         sums["losses/epochs"] = float(epoch + 1)
-        if cfg.target_kl > 0 and kl_n and _mean(kl_sum / kl_n, info, x.device) > cfg.target_kl:
-            break
     for k in ("losses/policy", "losses/approx_kl", "losses/clipfrac"):
         sums[k] /= max(n, 1)
-
-
-def _mean(value: float, info: DistInfo, device: torch.device) -> float:
-    """Decisions that stop or scale an update must agree on every rank."""
-    return mean_metrics({"v": value}, info, device)["v"]

@@ -1,0 +1,158 @@
+"""The chain learner (``algo=ppo | grpo | dppo``, ``algo.head=chain``): PPO on the last K' denoising steps of
+the diffusion policy (DPPO, Ren et al. 2024).
+
+A rollout (:mod:`.rollout`) stores one entry per decision (observation, the K' + 1 chain states, their
+log-probs); advantages are GAE over decisions or group-relative; :func:`.update.ppo_update` updates the
+denoiser with the clipped surrogate per (decision, denoising step). The chain's sampling settings (K', eta,
+the std floor, the log-prob options) are set on the policy here, by the learner that reads them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from diffpolicy import checkpoint
+from diffpolicy.config import TrainConfig
+from diffpolicy.device import Runtime
+from diffpolicy.distributed import DistInfo, seed_for_rank
+from diffpolicy.env_factory import make_envs
+from diffpolicy.modalities import MODALITIES
+from diffpolicy.models.critic import Critic
+from diffpolicy.rl.advantages import gae_advantages, grpo_advantages
+from diffpolicy.rl.buffer import TEXT, RolloutBuffer, ppo_specs
+from diffpolicy.rl.chain.rollout import collect_rollout
+from diffpolicy.rl.chain.update import ChainModules, ppo_update
+from diffpolicy.rl.learner import PolicyLearner, RolloutStats, env_seeds, register
+from diffpolicy.rl.ppo import clip_schedule
+from diffpolicy.rl.stability import GradMonitor, StateSnapshot
+
+
+def chain_specs(policy: Any, cond_dim: int) -> dict[str, Any]:
+    """Preallocated rollout fields of the chain learner: every observation modality, the chain, log-probs,
+    values, rewards, dones, ``valid`` and the stored condition (reused when the encoders are frozen)."""
+    obs = {
+        k: ((), TEXT) if k == "instruction" else (tuple(v), MODALITIES[k].dtype)
+        for k, v in policy.obs_spec.items()
+    }
+    specs = ppo_specs(obs, ft_steps=policy.ft_steps, horizon=policy.horizon, action_dim=policy.action_dim)
+    specs["valid"] = ((), torch.float32)
+    specs["cond"] = ((cond_dim,), torch.float32)
+    return specs
+
+
+@register("chain")
+class ChainLearner(PolicyLearner):
+    """PPO on the denoising chain of ``policy`` (a diffusion or Gaussian policy)."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger: Any) -> None:
+        algo = cfg.algo
+        self.cfg, self.rt, self.info, self.policy, self.logger = cfg, rt, info, policy, logger
+        if hasattr(
+            policy, "logprob_clamp"
+        ):  # the chain's log-prob options (DPPO's), read by this learner only
+            policy.logprob_min_std = algo.logprob_min_std
+            policy.logprob_clamp = list(algo.logprob_clamp)
+            policy.noise_clip = algo.noise_clip
+        self.grpo = algo.advantage == "grpo"
+        reference = (  # the frozen pre-trained policy the regulariser pulls toward
+            copy.deepcopy(policy).eval().requires_grad_(False)
+            if algo.reg != "none" and algo.reg_coef > 0
+            else None
+        )
+        self.critic = Critic(cfg.policy.cond_dim).to(rt.device)
+        actor_params = [p for p in policy.parameters() if p.requires_grad]
+        self.learner = ChainModules(
+            policy=policy,
+            critic=self.critic,
+            actor_optim=torch.optim.AdamW(actor_params, lr=algo.lr, weight_decay=algo.weight_decay),
+            critic_optim=torch.optim.AdamW(self.critic.parameters(), lr=algo.critic_lr),
+            scaler=rt.grad_scaler(),
+            reference=reference,
+        )
+        self.monitor = GradMonitor(algo.grad_monitor_window, algo.grad_spike_sigma, logger=logger)
+        self.snapshot = StateSnapshot(
+            {"policy": policy, "critic": self.critic}, [self.learner.actor_optim, self.learner.critic_optim]
+        )
+        self.venv = make_envs(
+            cfg.env, policy.n_action_steps, cfg.env.num_envs, seed_for_rank(cfg.seed, info.rank)
+        )
+        self.buffer = RolloutBuffer(
+            algo.n_steps, cfg.env.num_envs, chain_specs(policy, cfg.policy.cond_dim), rt.device
+        )
+        self.clip_eps = clip_schedule(algo.clip_eps, algo.clip_eps_final, policy.ft_steps, rt.device)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def begin(self) -> None:
+        """Called once the starting weights are in place (fresh or resumed): the NaN guard's first snapshot."""
+        self.snapshot.capture()
+
+    def rollout(self, seed: int) -> RolloutStats:
+        """Fill the buffer with T decisions per environment and compute their advantages."""
+        algo = self.cfg.algo
+        self.policy.eval()  # sampling: no augmentation
+        last_value, stats = collect_rollout(
+            self.policy, self.critic, self.venv, self.buffer, n_steps=algo.n_steps,
+            seeds=env_seeds(self.cfg, seed), gamma=algo.gamma, device=self.rt.device,
+            generator=torch.Generator(device=self.rt.device).manual_seed(seed), autocast=self.rt.autocast,
+            first_episode_only=self.grpo, bootstrap=not self.grpo,
+        )  # fmt: skip
+        self._last = self._advantages(last_value)
+        return stats
+
+    def _advantages(self, last_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, N) advantages and value targets: GAE over decisions, or group-relative episode returns."""
+        data, algo = self.buffer.get(), self.cfg.algo
+        if not self.grpo:
+            return gae_advantages(
+                data["rewards"], data["values"], data["dones"], last_value, algo.gamma, algo.gae_lambda
+            )
+        first = data["rewards"] * data["valid"]  # (T, N) rewards of each env's first episode
+        episode_return = first.sum(0).view(-1, algo.group_size)  # (N / G, G)
+        adv = grpo_advantages(episode_return, scale=algo.group_std).view(1, -1).expand_as(first)
+        adv = adv * data["valid"]  # (T, N)
+        return adv.contiguous(), torch.zeros_like(adv)
+
+    def update(self, seed: int, step: int, iteration: int) -> dict[str, float]:
+        adv, ret = self._last
+        self.policy.train()
+        losses = ppo_update(
+            self.learner, self.buffer, adv, ret, self.cfg.algo, clip_eps=self.clip_eps, runtime=self.rt,
+            info=self.info, generator=torch.Generator().manual_seed(seed), monitor=self.monitor,
+            snapshot=self.snapshot, logger=self.logger, step=step, use_critic=not self.grpo,
+            train_actor=self.grpo or iteration >= self.cfg.algo.critic_warmup,
+        )  # fmt: skip
+        losses["rollout/advantage_std"] = float(adv.std())
+        return losses
+
+    def state(self) -> dict[str, Any]:
+        learner, monitor = self.learner, self.monitor
+        return {
+            "critic": learner.critic.state_dict(),
+            "actor_optim": learner.actor_optim.state_dict(),
+            "critic_optim": learner.critic_optim.state_dict(),
+            "scaler": learner.scaler.state_dict(),
+            "monitor": {
+                "history": list(monitor.history),
+                "spikes": monitor.spikes,
+                "updates": monitor.updates,
+            },
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        learner, monitor = self.learner, self.monitor
+        checkpoint.load_state(learner.policy, state["policy"], name="policy")
+        checkpoint.load_state(learner.critic, state["critic"], name="critic")
+        learner.actor_optim.load_state_dict(state["actor_optim"])
+        learner.critic_optim.load_state_dict(state["critic_optim"])
+        if state.get("scaler"):
+            learner.scaler.load_state_dict(state["scaler"])
+        monitor.history.clear()
+        monitor.history.extend(float(v) for v in state["monitor"]["history"])
+        monitor.spikes, monitor.updates = state["monitor"]["spikes"], state["monitor"]["updates"]
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Modules rank 0 broadcasts at the start."""
+        return [self.policy, self.critic]

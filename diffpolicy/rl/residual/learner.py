@@ -1,0 +1,141 @@
+"""The residual learner (``algo=residual``): the diffusion policy frozen, a Gaussian MLP correcting every control
+step's action, PPO over control steps with GAE.
+
+The update (:mod:`.update`) scales its step by the measured evidence (``losses/signal_drift``) and bounds it
+by a trust region. What is deployed is :class:`diffpolicy.policies.residual.ResidualPolicy` (base + head);
+the head's module is :class:`diffpolicy.models.residual.ResidualHead`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from diffpolicy import checkpoint
+from diffpolicy.config import TrainConfig
+from diffpolicy.device import Runtime
+from diffpolicy.distributed import DistInfo, seed_for_rank
+from diffpolicy.env_factory import make_envs
+from diffpolicy.models.residual import ResidualCritic, ResidualHead
+from diffpolicy.ops import gae
+from diffpolicy.policies.residual import ResidualPolicy, StepActor
+from diffpolicy.rl.buffer import RolloutBuffer
+from diffpolicy.rl.learner import RolloutStats, env_seeds, register
+from diffpolicy.rl.residual.update import ResidualModules, collect_steps, residual_specs, residual_update
+
+
+def residual_head_for(base: Any, cfg: TrainConfig) -> ResidualHead:
+    """A fresh residual head sized for ``base`` (its state, Da, Te; its condition when it sees pixels/points)."""
+    spec = base.obs_spec
+    cond_dim = cfg.policy.cond_dim if ("rgb" in spec or "points" in spec) else 0
+    return ResidualHead(
+        int(spec["state"][-1]),
+        base.action_dim,
+        base.n_action_steps,
+        cond_dim=cond_dim,
+        hidden=tuple(cfg.algo.residual_hidden),
+        alpha=cfg.algo.residual_alpha,
+        init_std=cfg.algo.residual_init_std,
+    )
+
+
+def residual_description(head: ResidualHead, hidden: list[int]) -> dict[str, Any]:
+    """JSON description stored with a base + residual checkpoint (enough to rebuild the head)."""
+    return {"alpha": head.alpha, "hidden": list(hidden), "cond_dim": head.cond_dim}
+
+
+@register("residual")
+class ResidualLearner:
+    """Residual PPO over control steps on top of the frozen ``base`` policy."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, base: Any, logger: Any) -> None:
+        algo = cfg.algo
+        self.cfg, self.rt, self.info, self.logger = cfg, rt, info, logger
+        self.head = residual_head_for(base, cfg).to(rt.device)
+        self.policy = ResidualPolicy(base, self.head)
+        self.critic = ResidualCritic(self.head.input_dim, tuple(algo.residual_hidden)).to(rt.device)
+        self.learner = ResidualModules(
+            head=self.head,
+            critic=self.critic,
+            actor_optim=torch.optim.Adam(self.head.parameters(), lr=algo.lr),
+            critic_optim=torch.optim.Adam(self.critic.parameters(), lr=algo.critic_lr),
+        )
+        n = cfg.env.num_envs
+        self.venv = make_envs(
+            cfg.env, base.n_action_steps, n, seed_for_rank(cfg.seed, info.rank), chunked=False
+        )
+        self.actor = StepActor(self.policy, n, rt.device, rt.autocast)
+        self.buffer = RolloutBuffer(
+            algo.n_steps, n, residual_specs(self.head.input_dim, base.action_dim), rt.device
+        )
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def begin(self) -> None:
+        """Nothing to prepare: the residual update keeps no snapshot."""
+
+    def rollout(self, seed: int) -> RolloutStats:
+        """Fill the buffer with T control steps per environment and compute GAE over them."""
+        algo = self.cfg.algo
+        self.head.eval()
+        last_value, stats = collect_steps(
+            self.actor, self.critic, self.venv, self.buffer, n_steps=algo.n_steps,
+            seeds=env_seeds(self.cfg, seed), gamma=algo.gamma, max_episode_steps=self.cfg.env.max_episode_steps,
+            generator=torch.Generator(device=self.rt.device).manual_seed(seed),
+        )  # fmt: skip
+        data = self.buffer.get()
+        self._last = gae(
+            data["rewards"], data["values"], data["dones"], last_value.float(), algo.gamma, algo.gae_lambda
+        )
+        return stats
+
+    def update(self, seed: int, step: int, iteration: int) -> dict[str, float]:
+        adv, ret = self._last
+        self.head.train()
+        out = residual_update(
+            self.learner, self.buffer.get(), adv, ret, self.cfg.algo,
+            generator=torch.Generator().manual_seed(seed), info=self.info,
+        )  # fmt: skip
+        out["rollout/advantage_std"] = float(adv.std())
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "critic": self.critic.state_dict(),
+            "actor_optim": self.learner.actor_optim.state_dict(),
+            "critic_optim": self.learner.critic_optim.state_dict(),
+            "evidence": self.learner.evidence.state(),
+            "trust": self.learner.trust,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.load_weights(state)
+        checkpoint.load_state(self.critic, state["critic"], name="critic")
+        self.learner.actor_optim.load_state_dict(state["actor_optim"])
+        self.learner.critic_optim.load_state_dict(state["critic_optim"])
+        self.learner.evidence.load(state["evidence"])
+        self.learner.trust = float(state["trust"])
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.head, self.critic]
+
+    def saved_policy(self) -> Any:
+        """The base policy: its weights are the checkpoint's ``policy``; the head rides in ``residual``."""
+        return self.policy.base
+
+    def artifact(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        desc = residual_description(self.head, self.cfg.algo.residual_hidden)
+        return {"residual": self.head.state_dict()}, {"residual": desc}
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        checkpoint.load_state(self.head, state["residual"], name="residual")
+
+    def on_rollback(self) -> None:
+        """A rollback means steps the evidence earned made the policy worse (consistent is not correct: a
+        biased critic or a misleading shaping term point the same way every batch): halve the trust region
+        for the rest of the run and start a new evidence pool, so repeated harm shrinks toward no motion."""
+        self.learner.trust *= 0.5
+        self.learner.evidence.reset()
+
+    def close(self) -> None:
+        self.venv.close()
