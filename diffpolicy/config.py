@@ -1036,8 +1036,10 @@ class EvaluateConfig:
     """First seed; null: the split's (a number overrides it, and the summary says so)."""
     video_episodes: int = 2
     """Episodes recorded to mp4."""
-    deterministic: bool = False
-    """Every DDIM step's mean only, rather than the stochastic chain that PPO fine-tunes."""
+    deterministic: bool | None = None
+    """true: every DDIM step's mean (``noise_free``); false: the stochastic chain the rollouts sample
+    (``exploration``); null: the protocol the checkpoint's figure was reported under (``extra["protocol"]``,
+    written by ``train``; exploration for a checkpoint that records none). The summary names it."""
     reachability_tries: int = 0
     """Exploratory episodes per failed held-out scene for the reachability measurement (0 skips it)."""
     explore_std: float = 0.0
@@ -1105,8 +1107,9 @@ class ExportConfig:
     """B of the exported graph (static)."""
     dynamic_batch: bool = False
     """Mark B as a dynamic axis (engines such as ATC then need it fixed again at compile time)."""
-    deterministic: bool = False
-    """Every DDIM step takes its mean: no ``step_noise`` input (always so for base + residual checkpoints)."""
+    deterministic: bool | None = None
+    """true: every DDIM step takes its mean, no ``step_noise`` input (always so for base + residual
+    checkpoints); false: the stochastic chain; null: the checkpoint's protocol (as ``evaluate``)."""
     opset: int = 17
     """ONNX opset version."""
     check: bool = True
@@ -1161,8 +1164,9 @@ class ServeConfig:
     """Longest one request waits for its action chunk (s)."""
     grace_s: float = 10.0
     """On SIGTERM / SIGINT, time given to requests in flight before the server exits (s)."""
-    deterministic: bool = False
-    """Take every DDIM step's mean instead of sampling (base + residual: always)."""
+    deterministic: bool | None = None
+    """true: every DDIM step's mean; false: the stochastic chain; null: the checkpoint's protocol (as
+    ``evaluate``; base + residual: always the mean)."""
     seed: int = 0
     """Seed of the sampling generator."""
     max_sessions: int = 4096

@@ -4,7 +4,10 @@ Loads the policy with :func:`diffpolicy.policy_io.load_policy`, runs :func:`diff
 (the sampling path training rollouts use too) on the seeds of ``split``: ``test`` (the default, 1 000 000 + i:
 the seeds ``train`` reports its figure on) or ``val`` (100 000 + i: the seeds every choice is made on;
 demonstrations use seeds from 0), records ``video_episodes`` episodes to ``eval.mp4`` and, when the checkpoint's run directory holds
-a ``metrics.jsonl``, plots its training curve into the run directory. Prints one JSON line last:
+a ``metrics.jsonl``, plots its training curve into the run directory. The policy samples under the protocol
+its checkpoint records (``train`` writes the one its figure was reported under; ``deterministic=true|false``
+overrides it; :func:`diffpolicy.policy_io.sampling_protocol`), so evaluate says what train said. Prints one
+JSON line last:
 ``{"success_rate", "success_ci", "failures", "n_episodes", "mean_return", ...}`` (``failures``: reason ->
 count of the failed episodes, from the env's ``info["outcome"]``).
 
@@ -26,7 +29,7 @@ from diffpolicy import evaluation
 from diffpolicy.cli import launch
 from diffpolicy.config import EvaluateConfig
 from diffpolicy.device import Runtime
-from diffpolicy.policy_io import load_policy
+from diffpolicy.policy_io import load_policy, sampling_protocol
 
 CURVE_KEYS = ("losses/bc", "rollout/success_rate", "losses/policy")
 """Metrics plotted (when present) from the checkpoint's run directory."""
@@ -74,6 +77,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     policy, env_cfg, ckpt = load_policy(
         cfg.checkpoint, runtime.device, env_overrides={"num_envs": cfg.num_envs}
     )
+    deterministic, protocol, source = sampling_protocol(ckpt, cfg.deterministic)
     runtime.manual_seed(cfg.eval_seed)
     result = evaluation.evaluate(
         policy,
@@ -83,7 +87,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         seed=cfg.eval_seed,
         num_envs=min(cfg.num_envs, cfg.n_episodes),
         device=runtime.device,
-        deterministic=cfg.deterministic,
+        deterministic=deterministic,
         autocast=runtime.autocast,
     )
     summary: dict[str, Any] = {
@@ -97,6 +101,9 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "step": ckpt.step,
         "split": cfg.split,  # test: the seeds of train's reported figure; val: the seeds choices are made on
         "first_seed": cfg.eval_seed,
+        # noise_free | exploration, and whence: the checkpoint's own (what train reported), override, default
+        "protocol": protocol,
+        "protocol_from": source,
     }
     if cfg.reachability_tries > 0:
         failed_at = [i for i, ok in enumerate(result.successes) if not ok]

@@ -394,6 +394,13 @@ def split_seeds(cfg: TrainConfig | PretrainConfig, split: str) -> tuple[int, int
     return (cfg.val_seed, cfg.val_episodes) if split == "val" else (cfg.eval_seed, cfg.eval_episodes)
 
 
+def protocol_of(cfg: TrainConfig | PretrainConfig) -> str:
+    """The protocol :func:`held_out` judges under: ``noise_free`` (every DDIM step's mean) when the learner's
+    policy acts that way (``cfg.algo.judged_noise_free``) or ``cfg.eval_deterministic``, else
+    ``exploration`` (the stochastic chain the rollouts sample). ``train`` writes it into every checkpoint."""
+    return "noise_free" if cfg.algo.judged_noise_free or cfg.eval_deterministic else "exploration"
+
+
 def held_out(
     policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any, split: str = "test", episodes: int = 0
 ) -> EvalResult:
@@ -416,7 +423,7 @@ def held_out(
         seed=seed,
         num_envs=min(cfg.env.num_envs, episodes),
         device=runtime.device,
-        deterministic=cfg.algo.judged_noise_free or cfg.eval_deterministic,
+        deterministic=protocol_of(cfg) == "noise_free",
         autocast=runtime.autocast,
     )
 

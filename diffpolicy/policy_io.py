@@ -38,6 +38,29 @@ ENCODER_FIELDS_ADDED = ("blank_text", "fusion")
 """EncoderConfig fields newer than some checkpoints, treated as :data:`POLICY_FIELDS_ADDED` are."""
 
 
+PROTOCOLS = {"noise_free": True, "exploration": False}
+"""Evaluation protocols a checkpoint can carry (``extra["protocol"]``) -> ``deterministic``: ``noise_free``
+takes every DDIM step's mean; ``exploration`` samples the stochastic chain (eta, ``policy.min_std``) that the
+rollouts sample."""
+
+
+def sampling_protocol(ckpt: Checkpoint, deterministic: bool | None) -> tuple[bool, str, str]:
+    """How ``evaluate``, ``export`` and ``serve`` sample a checkpoint's policy: ``(deterministic, protocol,
+    source)``. An explicit ``deterministic`` wins (source ``override``); else the protocol the checkpoint's
+    figure was reported under (``checkpoint``); else, for a checkpoint that records none (BC checkpoints,
+    older runs), ``exploration`` (``default``)."""
+    if deterministic is not None:
+        return bool(deterministic), "noise_free" if deterministic else "exploration", "override"
+    recorded = ckpt.extra.get("protocol")
+    if recorded is None:
+        return False, "exploration", "default"
+    if recorded not in PROTOCOLS:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path}: extra['protocol']={recorded!r} is not one of {', '.join(PROTOCOLS)}"
+        )
+    return PROTOCOLS[recorded], recorded, "checkpoint"
+
+
 def save_policy(
     root: str | Path,
     step: int,

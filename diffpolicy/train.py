@@ -39,7 +39,14 @@ from diffpolicy.distributed import (
     seed_for_rank,
     sum_metrics,
 )
-from diffpolicy.evaluation import EvalResult, failure_counts, held_out, mean_interval, record_video
+from diffpolicy.evaluation import (
+    EvalResult,
+    failure_counts,
+    held_out,
+    mean_interval,
+    protocol_of,
+    record_video,
+)
 from diffpolicy.logger import Logger
 from diffpolicy.policy_io import load_policy, save_policy
 from diffpolicy.rl.learner import Learner, make_learner
@@ -225,7 +232,7 @@ def fine_tune(
                 if info.is_main:
                     save(learner, cfg, ckpt_root, stable_root, it + 1, guard, metrics, rollback,
                          extra={"env_steps": env_steps, "bc_eval": bc, "init": str(init_path),
-                                "guard_env_steps": guard_steps})  # fmt: skip
+                                "guard_env_steps": guard_steps, "protocol": protocol_of(cfg)})  # fmt: skip
                 barrier(info)
     finally:
         learner.close()
@@ -258,6 +265,7 @@ def fine_tune(
             "bc_return_ci": [round(v, 2) for v in mean_interval(bc_returns)] if bc_returns else None,
             "ppo_return_ci": [round(v, 2) for v in after.return_ci()],
             "eval_episodes": after.episodes,
+            "protocol": protocol_of(cfg),  # how both figures were sampled; the checkpoints carry it
             # which seeds each figure comes from: the top-level figures are the test split's
             "splits": {
                 "test": {"first_seed": cfg.eval_seed, "episodes": after.episodes, "use": "reported figure"},
@@ -349,7 +357,7 @@ def save(
     if not rollback:
         save_policy(
             stable_root, iteration, policy, env_cfg=cfg.env, policy_cfg=cfg.policy, extra_state=art_state,
-            extra=art_extra, keep=1,
+            extra={**art_extra, "protocol": extra["protocol"]}, keep=1,
         )  # fmt: skip
 
 

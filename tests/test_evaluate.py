@@ -79,6 +79,63 @@ def test_evaluate_main_uses_shared_act(run, tmp_path, monkeypatch):
     assert (tmp_path / "curve_losses_bc.png").is_file() and summary["curves"]
 
 
+@pytest.mark.parametrize(
+    ("recorded", "override", "expect"),
+    [
+        ("noise_free", None, (True, "noise_free", "checkpoint")),
+        ("exploration", None, (False, "exploration", "checkpoint")),
+        (None, None, (False, "exploration", "default")),
+        ("noise_free", False, (False, "exploration", "override")),
+        (None, True, (True, "noise_free", "override")),
+    ],
+)
+def test_sampling_protocol_follows_the_checkpoint_unless_told(recorded, override, expect):
+    from types import SimpleNamespace
+
+    from diffpolicy.policy_io import sampling_protocol
+
+    extra = {} if recorded is None else {"protocol": recorded}
+    assert sampling_protocol(SimpleNamespace(extra=extra, path="ck"), override) == expect
+
+
+def test_a_protocol_the_code_does_not_know_is_one_clear_error():
+    from types import SimpleNamespace
+
+    from diffpolicy.checkpoint import CheckpointError
+    from diffpolicy.policy_io import sampling_protocol
+
+    with pytest.raises(CheckpointError, match="extra\\['protocol'\\]='ddpm' is not one of noise_free"):
+        sampling_protocol(SimpleNamespace(extra={"protocol": "ddpm"}, path="ck"), None)
+
+
+def test_evaluate_says_what_train_said(tmp_path, monkeypatch):
+    """A checkpoint that records ``noise_free`` (train's filtered_bc figure) is evaluated noise-free by
+    default, and the summary names the protocol and where it came from; ``deterministic=false`` overrides."""
+    from diffpolicy import evaluate
+
+    torch.manual_seed(0)
+    policy = build_policy(SMALL, {"state": [6]}, 2, text_backend="hash")
+    policy.fit_normalizers(actions=torch.rand(20, 2) * 2 - 1, state=torch.randn(20, 6))
+    root = tmp_path / "checkpoints"
+    save_policy(root, 5, policy, env_cfg=REACH, policy_cfg=SMALL, extra={"protocol": "noise_free"})
+    calls = []
+    real_act = evaluation.act
+
+    def recording_act(policy, obs, **kwargs):
+        calls.append(kwargs.get("deterministic", False))
+        return real_act(policy, obs, **kwargs)
+
+    monkeypatch.setattr(evaluation, "act", recording_act)
+    cfg = EvaluateConfig(checkpoint=str(root), n_episodes=2, num_envs=2, video_episodes=0)
+    summary = evaluate.main(cfg, tmp_path / "a")
+    assert (summary["protocol"], summary["protocol_from"]) == ("noise_free", "checkpoint")
+    assert calls and all(calls)
+    calls.clear()
+    summary = evaluate.main(EvaluateConfig(**{**cfg.__dict__, "deterministic": False}), tmp_path / "b")
+    assert (summary["protocol"], summary["protocol_from"]) == ("exploration", "override")
+    assert calls and not any(calls)
+
+
 def test_video_is_an_mp4_with_the_video_extra(tmp_path):
     pytest.importorskip("imageio_ffmpeg", reason='mp4 needs the `video` extra: pip install -e ".[video]"')
     frames = [np.full((16, 16, 3), 10 * i, np.uint8) for i in range(5)]

@@ -83,6 +83,10 @@ def test_tiny_run_end_to_end(reference_run: tuple[Path, dict]) -> None:
     assert (run_dir / "summary.json").is_file()
     assert list((run_dir / "tb").glob("events.*"))
     assert checkpoint.load(run_dir / "checkpoints").step == 3
+    # algo=ppo judges the stochastic chain; the checkpoints carry that protocol for evaluate, export, serve
+    assert summary["protocol"] == "exploration"
+    assert checkpoint.load(run_dir / "checkpoints").extra["protocol"] == "exploration"
+    assert checkpoint.load(run_dir / "checkpoints" / "stable").extra["protocol"] == "exploration"
 
 
 def test_resume_after_a_stop_is_exact(

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from diffpolicy.device import Runtime
-from diffpolicy.policy_io import load_policy
+from diffpolicy.policy_io import load_policy, sampling_protocol
 from diffpolicy.serving.wire import ObsSpec, obs_spec_from_shapes
 
 
@@ -198,15 +198,17 @@ def sampler_from_checkpoint(
     *,
     runtime: Runtime | None = None,
     text_backend: str = "",
-    deterministic: bool = False,
+    deterministic: bool | None = None,
     seed: int = 0,
     max_sessions: int = 4096,
 ) -> PolicySampler | ResidualSampler:
     """Load a checkpoint and wrap its policy for the server (a base + residual one per control step;
-    ``deterministic`` does not apply to it: its base and head are always deterministic)."""
+    ``deterministic`` does not apply to it: its base and head are always deterministic). ``deterministic``
+    None samples under the checkpoint's protocol (:func:`diffpolicy.policy_io.sampling_protocol`)."""
     device = runtime.device if runtime is not None else torch.device("cpu")
     policy, _, ckpt = load_policy(path, device, text_backend=text_backend, deploy=True)
     shapes = dict(ckpt.extra["obs_spec"])
     if getattr(policy, "acts_per_step", False):
         return ResidualSampler(policy, shapes, runtime=runtime, seed=seed, max_sessions=max_sessions)
-    return PolicySampler(policy, shapes, runtime=runtime, deterministic=deterministic, seed=seed)
+    noise_free, _, _ = sampling_protocol(ckpt, deterministic)
+    return PolicySampler(policy, shapes, runtime=runtime, deterministic=noise_free, seed=seed)
