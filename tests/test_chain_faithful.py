@@ -202,8 +202,15 @@ def test_config_fields_are_validated() -> None:
 
 
 # ------------------------------------------------------------------ (4) every step bounded by target_kl
-def _update(lr: float, target_kl: float) -> tuple[dict, dict, dict, ChainModules]:
-    """One ppo_update on a filled toy rollout: (metrics, weights before, weights after, learner)."""
+def _update(
+    lr: float,
+    target_kl: float,
+    adv: torch.Tensor | None = None,
+    epochs: int = 3,
+    buffer_out: list | None = None,
+) -> tuple[dict, dict, dict, ChainModules]:
+    """One ppo_update on a filled toy rollout: (metrics, weights before, weights after, learner); ``adv``
+    (T, N) replaces the random advantages, ``buffer_out`` receives the buffer."""
     p = make(ft_steps=KP, freeze_encoders=True)
     T, N = 2, 4
     specs = {"state": ((5,), torch.float32), **ppo_specs({}, ft_steps=KP, horizon=TA, action_dim=DA)}
@@ -219,8 +226,11 @@ def _update(lr: float, target_kl: float) -> tuple[dict, dict, dict, ChainModules
     snapshot = StateSnapshot({"policy": p, "critic": critic}, [learner.actor_optim, learner.critic_optim])
     snapshot.capture()
     before = copy.deepcopy(p.state_dict())
-    adv = torch.randn(T, N, generator=torch.Generator().manual_seed(9))
-    cfg = ChainConfig(update_epochs=3, minibatch_size=8, target_kl=target_kl, lr=lr)
+    if adv is None:
+        adv = torch.randn(T, N, generator=torch.Generator().manual_seed(9))
+    if buffer_out is not None:
+        buffer_out.append(buffer)
+    cfg = ChainConfig(update_epochs=epochs, minibatch_size=8, target_kl=target_kl, lr=lr)
     metrics = ppo_update(
         learner, buffer, adv, torch.zeros(T, N), cfg, clip_eps=torch.full((KP,), 0.01),
         runtime=Runtime.from_config(DeviceConfig(type="cpu")), info=DistInfo(),
@@ -246,6 +256,26 @@ def test_small_steps_pass_the_bound() -> None:
     assert metrics["losses/kl_stops"] == 0.0 and metrics["losses/epochs"] == 3.0
     assert metrics["losses/approx_kl"] < KL_STEP_FACTOR * 0.01
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_update_moves_the_chain_toward_positive_advantages(sign: float) -> None:
+    """Direction: on a fixed batch, decisions with a positive advantage become likelier under the updated
+    chain and those with a negative one less likely (summed over the K' stored transitions); flipping every
+    advantage flips the movement. A learner with the surrogate's sign wrong fails this."""
+    adv = sign * torch.tensor([[1.0, 1.0, -1.0, -1.0], [1.0, 1.0, -1.0, -1.0]])  # (T, N)
+    box: list = []
+    _, before, after, learner = _update(lr=1e-5, target_kl=0.0, adv=adv, epochs=1, buffer_out=box)
+    data = box[0].get()
+    chains, cond = data["chains"].flatten(0, 1), data["cond"].flatten(0, 1)  # (T N, K'+1, Ta, Da), (T N, C)
+    policy = learner.policy
+    with torch.no_grad():
+        new = policy.log_prob(chains, cond=cond).sum(-1)  # (T N,)
+        policy.load_state_dict(before)
+        old = policy.log_prob(chains, cond=cond).sum(-1)
+    moved = (new - old).view_as(adv)
+    assert (moved * adv).sum() > 0  # the surrogate the step ascends
+    assert moved[adv > 0].mean() > 0 > moved[adv < 0].mean()
 
 
 # -------------------------------------------------------------------------------- (5) algo=dppo
@@ -282,6 +312,13 @@ def test_dppo_tiny_run(tmp_path: Path) -> None:
     policy_rows = [r for r in rows if r.get("losses/policy") is not None]
     assert len(policy_rows) == 1  # 2 critic warm-up iterations, then 1 PPO iteration
     assert all(np.isfinite(r["losses/policy"]) and "losses/kl_stops" in r for r in policy_rows)
+    # the one PPO iteration moved the fine-tuned denoiser and nothing else: the encoders stay frozen
+    from diffpolicy import checkpoint
+
+    start = checkpoint.load(init).state["policy"]
+    end = checkpoint.load(tmp_path / "run" / "checkpoints").state["policy"]
+    changed = {k for k in start if not torch.equal(start[k], end[k])}
+    assert changed and all(k.startswith("denoiser.") for k in changed), sorted(changed)[:5]
 
 
 def test_a_chain_checkpoint_keeps_its_frozen_base(tmp_path, init_ckpt) -> None:
