@@ -28,7 +28,7 @@ units; execute the first Te rows (from To - 1).
 **Base + residual** (a checkpoint of ``algo=residual``, :class:`diffpolicy.policies.residual.ResidualPolicy`): the
 policy is the frozen base chunking policy plus a head that corrects every control step's action, so two
 graphs are written. ``policy.onnx`` is the base's sampler, always deterministic (no ``step_noise``: the
-residual's base samples with eta = 0; x_K still comes in as ``noise``); when the head reads the base's
+residual's base samples every step's mean; x_K still comes in as ``noise``); when the head reads the base's
 condition it has a second output ``cond`` (B, cond_dim), the encoders' output of that decision.
 ``residual.onnx`` is the head's deterministic step (``StepActor.act(deterministic=True)``):
 
@@ -423,7 +423,7 @@ def main(cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
     residual = policy if getattr(policy, "acts_per_step", False) else None  # base + residual
     base = residual.base if residual is not None else policy
     deterministic, _, _ = sampling_protocol(ckpt, cfg.deterministic)
-    deterministic = deterministic or residual is not None  # the residual's base samples with eta = 0
+    deterministic = deterministic or residual is not None  # the residual's base samples noise-free
     onnx_path = out_dir / "policy.onnx"
     t0 = time.perf_counter()
     graph, spec = export_onnx(

@@ -4,7 +4,7 @@ The expert passes the obstacle on the left or on the right at random, so the dem
 diffusion policy (state observations, small 1-D U-Net) and the Gaussian MLP baseline (``kind=gaussian``,
 same encoders) are behaviour-cloned on the same demonstrations with the same budget (epochs, batch size,
 learning rate) by :func:`diffpolicy.bc.behaviour_cloning`, then evaluated with
-:func:`diffpolicy.evaluation.evaluate` on held-out seeds (deterministic sampling: DDIM with eta = 0 for the
+:func:`diffpolicy.evaluation.evaluate` on held-out seeds (noise-free sampling: every DDIM step's mean for the
 diffusion policy, which still draws its initial noise, and the mean chunk for the Gaussian).
 
 ``run(repeats=1, threads=2, **kw) -> dict`` with keys ``diffusion_success``, ``gaussian_success``, wall

@@ -217,7 +217,8 @@ def act(
     Args:
         policy: a policy with ``plan(obs, deterministic=, return_chain=) -> (actions (B, Te, Da), out)``.
         obs: policy observation from :func:`to_policy_obs`.
-        deterministic: DDIM with eta = 0 instead of the stochastic fine-tuned steps.
+        deterministic: every DDIM step's mean, no noise (the chain's own means under its eta; DDIM eta 0 only
+            when the policy's eta is 0), instead of sampling the stochastic fine-tuned steps.
         return_chain: keep the chain (B, K'+1, Ta, Da) and its log-probabilities for PPO.
         autocast: a context factory (the device runtime's ``autocast``) for mixed precision.
         generator: source of the sampling noise (seeded per iteration for reproducible runs).

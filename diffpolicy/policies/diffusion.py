@@ -151,8 +151,9 @@ class DiffusionPolicy(PolicyBase):
 
         obs: observation dict (B, To, ...) or ``cond`` (B, cond_dim) precomputed; ``noise`` (B, Ta, Da) is
         x_K (default N(0, I) from ``generator``); later steps draw from ``generator`` (each draw clamped
-        to +-``noise_clip`` when that is > 0). ``deterministic`` takes every step's mean (eta = 0
-        behaviour). Returns actions (B, Ta, Da) in env units and, with ``return_chain``, the fine-tuned
+        to +-``noise_clip`` when that is > 0). ``deterministic`` takes every step's mean with no noise: the
+        means of the chain's own Gaussians under its ``eta`` (the noise-free protocol), which is DDIM eta 0
+        only for a policy sampled with eta 0 (with eta 1 the means weight x_k differently). Returns actions (B, Ta, Da) in env units and, with ``return_chain``, the fine-tuned
         chain (B, K'+1, Ta, Da), its means / stds and log-probs (B, K') (see :meth:`log_prob`).
         """
         with torch.inference_mode():

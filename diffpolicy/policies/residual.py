@@ -1,8 +1,8 @@
 """Base + residual: a frozen chunking policy corrected at every control step by a :class:`ResidualHead`.
 
 :class:`ResidualPolicy` is the trained artifact of ``algo=residual`` (what ``evaluate``, ``export`` and
-``serve`` load): the cloned policy, frozen, proposes a chunk of Te actions per decision with deterministic
-DDIM (eta = 0: its stochastic sampling was the largest source of return variance in residual rollouts), and
+``serve`` load): the cloned policy, frozen, proposes a chunk of Te actions per decision noise-free (every
+DDIM step's mean: its stochastic sampling was the largest source of return variance in residual rollouts), and
 the head adds ``alpha * tanh(u)`` to each of those actions as it is executed.
 
 :class:`StepActor` drives it over N environments that step one control step at a time: it keeps each

@@ -54,7 +54,8 @@ class PolicySampler:
             policy: a ``DiffusionPolicy`` (or any ``PolicyBase``) in eval mode.
             obs_shapes: the checkpoint's ``extra["obs_spec"]`` (key -> per-step shape).
             runtime: device and precision (default: the policy's device, fp32).
-            deterministic: take every DDIM step's mean instead of sampling (eta = 0 behaviour).
+            deterministic: take every DDIM step's mean instead of sampling (noise-free; not DDIM eta 0 unless
+                the policy's eta is 0).
             seed: seed of the sampling generator (same seed + same requests = same actions).
         """
         self.policy = policy
