@@ -140,6 +140,9 @@ def fine_tune(
     algo = cfg.algo
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
     policy, init_path = initial_policy(cfg, rt, info, run_dir)
+    # again: BC trained here (an empty cache) draws from the global RNG streams, BC read from the cache does
+    # not; fine-tuning must start from the same streams either way (a run is a function of config and seed)
+    rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
     learner = make_learner(cfg, rt, info, policy, logger)
     guard = RollbackGuard(algo.rollback_drop, logger=logger)
     ckpt_root, stable_root = run_dir / "checkpoints", run_dir / "checkpoints" / "stable"

@@ -355,3 +355,26 @@ def test_rollback_guard_can_judge_validation_episodes(tmp_path: Path, init_ckpt:
     assert summary["guard_env_steps"] >= 3 * 2  # three checks of two episodes, at least a step each
     with pytest.raises(ValueError, match="overlap the test seeds"):
         compose("train", [*TINY_RUN, "algo.rollback_episodes=2000000", "val_episodes=2"])
+
+
+def test_a_run_is_the_same_from_an_empty_and_from_a_warm_cache(tmp_path: Path) -> None:
+    """A run is a function of its config and seed: whatever state BC leaves in this process (RNG streams)
+    must not reach fine-tuning, so the same command gives the same summary whether it trained BC first or
+    read it from the cache."""
+    from diffpolicy.train import main
+
+    overrides = [
+        "env=mujoco_pick", "env.num_envs=2", "env.vectorization=sync", "algo=filtered_bc",
+        "algo.iterations=2", "algo.round_episodes=2", "algo.bc_steps=3", "seed=7", "bc.epochs=2",
+        "bc.n_demos=3", *TINY_POLICY, "eval_episodes=2", "video_episodes=0", "log.progress=false",
+        "device=cpu", "device.threads=1", f"cache_dir={tmp_path / 'cache'}",
+    ]  # fmt: skip
+    cold = main(compose("train", overrides), tmp_path / "cold")
+    warm = main(compose("train", overrides), tmp_path / "warm")
+    volatile = {"wall_time_s", "checkpoint", "env_sps", "time_split_s"}
+    assert {k: v for k, v in cold.items() if k not in volatile} == {
+        k: v for k, v in warm.items() if k not in volatile
+    }
+    a = checkpoint.load(tmp_path / "cold" / "checkpoints").state["policy"]
+    b = checkpoint.load(tmp_path / "warm" / "checkpoints").state["policy"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
