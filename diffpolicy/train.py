@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,172 +133,221 @@ def main(cfg: TrainConfig, run_dir: Path) -> dict:
             logger.close()
 
 
+@dataclass
+class Progress:
+    """Where a fine-tuning run stands: what a checkpoint restores, and what this process has timed."""
+
+    iteration: int = 0
+    env_steps: int = 0
+    bc: dict[str, Any] | None = None
+    """The BC policy's evaluation (test, and ``val``), measured once and carried in every checkpoint."""
+    guard_steps: int = 0
+    """Env steps of the rollback guard's validation episodes (``algo.rollback_episodes``)."""
+    seconds: float = 0.0
+    """This process's seconds of fine-tuning iterations, and the env steps they took (``env_sps``)."""
+    steps_timed: int = 0
+    split: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    """This process's seconds of env stepping, policy sampling and updates."""
+
+
 def fine_tune(
     cfg: TrainConfig, run_dir: Path, rt: Runtime, info: DistInfo, logger: Logger, start: float
 ) -> tuple[dict | None, Learner]:
     """BC evaluation, iterations of the learner ``cfg.algo.head`` (chain, residual, fpo, filtered_bc), evaluation;
     -> (summary, learner)."""
-    algo = cfg.algo
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
     policy, init_path = initial_policy(cfg, rt, info, run_dir)
     # again: BC trained here (an empty cache) draws from the global RNG streams, BC read from the cache does
     # not; fine-tuning must start from the same streams either way (a run is a function of config and seed)
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
     learner = make_learner(cfg, rt, info, policy, logger)
-    guard = RollbackGuard(algo.rollback_drop, logger=logger)
-    ckpt_root, stable_root = run_dir / "checkpoints", run_dir / "checkpoints" / "stable"
-
-    # ---- resume or start: the BC evaluation is measured once and carried in every checkpoint
-    first_it, env_steps, bc, guard_steps = 0, 0, None, 0
-    if cfg.resume and checkpoint.exists(ckpt_root):
-        ckpt = checkpoint.load(ckpt_root, map_location=rt.device)
-        learner.load_state(ckpt.state)
-        guard.best, guard.best_step = ckpt.state["guard"]["best"], ckpt.state["guard"]["best_step"]
-        guard.stable_step = ckpt.state["guard"]["stable_step"]
-        checkpoint.set_rng_state(ckpt.state["rng"])
-        first_it, env_steps, bc = ckpt.step, int(ckpt.extra["env_steps"]), ckpt.extra["bc_eval"]
-        guard_steps = int(ckpt.extra.get("guard_env_steps", 0))
-        if info.is_main:
-            truncate_metrics(run_dir, env_steps)
-            logger.event("resume", f"resumed from {ckpt.path.name}", env_steps, iteration=first_it)
+    guard = RollbackGuard(cfg.algo.rollback_drop, logger=logger)
+    progress = resume(cfg, run_dir, rt, info, logger, learner, guard)
     broadcast_parameters(learner.modules(), info)
-    if bc is None:
-        bc = {"successes": [], "outcomes": [], "returns": [], "reports_success": True, "val": None}
-        if info.is_main:  # the BC policy on both splits: validation (choices) and test (the reported figure)
-            before = held_out(learner.policy, cfg, rt, "test")
-            bc = {**eval_record(before), "val": eval_record(held_out(learner.policy, cfg, rt, "val"))
-                  if cfg.val_episodes else None}  # fmt: skip
-            first = {"eval/mean_return": float(np.mean(bc["returns"]))}
-            if before.reports_success:
-                first["eval/success_rate"] = sum(bc["successes"]) / len(bc["successes"])
-            if bc["val"] is not None:
-                first.update(val_scalars(bc["val"]))
-            logger.log(first, step=0)
+    if progress.bc is None:
+        progress.bc = evaluate_bc(cfg, rt, info, logger, learner)
     # an env without a success notion (Hopper) gets no success metrics, curve or summary fields: None, not 0.0
-    goal = bool(bc.get("reports_success", True))
+    goal = bool(progress.bc.get("reports_success", True))
     learner.begin()
-
-    # ---- fine-tuning: one loop, whichever learner
-    window = [0.0, 0.0]  # successes and episodes since the last checkpoint (a restart begins a new window)
-    ppo_time, ppo_steps = 0.0, 0
-    split = [0.0, 0.0, 0.0]  # this process's seconds of env stepping, policy sampling and updates
     try:
-        iterations = logger.progress(
-            range(first_it, algo.iterations), total=algo.iterations - first_it, desc="ppo"
-        )
-        for it in iterations:
-            t_it = time.perf_counter()
-            seed = iteration_seed(cfg, info, it)
-            stats = learner.rollout(seed)
-            t_roll = time.perf_counter() - t_it
-            losses = learner.update(seed, env_steps, it)
-            counts = sum_metrics(
-                {"n": stats.env_steps, "ep": stats.episodes, "ok": stats.successes}, info, rt.device
-            )
-            env_steps += int(counts["n"])
-            window[0] += counts["ok"]
-            window[1] += counts["ep"]
-            t_total = time.perf_counter() - t_it
-            ppo_time, ppo_steps = ppo_time + t_total, ppo_steps + int(counts["n"])
-            split = [split[0] + stats.env_s, split[1] + stats.policy_s, split[2] + t_total - t_roll]
-            metrics = mean_metrics(losses, info, rt.device)
-            if goal:
-                metrics["rollout/success_rate"] = (
-                    counts["ok"] / counts["ep"] if counts["ep"] else float("nan")
-                )
-            metrics.update({
-                "rollout/episodes": counts["ep"],
-                "rollout/mean_return": sum(stats.returns) / max(len(stats.returns), 1),
-                "time/rollout_s": t_roll,
-                "time/policy_s": stats.policy_s,
-                "time/env_s": stats.env_s,
-                "time/update_s": t_total - t_roll,
-                "time/iteration_s": t_total,
-                "time/sps": counts["n"] / t_total,
-                "train/iteration": it + 1,
-            })  # fmt: skip
-            if (it + 1) % cfg.log.every == 0 or it + 1 == algo.iterations:
-                logger.log(metrics, step=env_steps)
-            if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == algo.iterations:
-                # the guard judges validation episodes (algo.rollback_episodes), or else the training
-                # episodes since the last checkpoint (none ended: no verdict)
-                rollback = False
-                if info.is_main and algo.rollback_episodes:
-                    judged = held_out(learner.policy, cfg, rt, "val", algo.rollback_episodes)
-                    guard_steps += judged.env_steps
-                    logger.log({"val/guard_success_rate": judged.success_rate}, step=env_steps)
-                    rollback = guard.update(judged.success_rate, it + 1).rollback
-                elif info.is_main and window[1] > 0:
-                    rollback = guard.update(window[0] / window[1], it + 1).rollback
-                window = [0.0, 0.0]
-                if broadcast_flag(rollback, info, rt.device) and checkpoint.exists(stable_root):
-                    restore_stable(stable_root, learner, rt, logger, env_steps)
-                if info.is_main:
-                    save(learner, cfg, ckpt_root, stable_root, it + 1, guard, metrics, rollback,
-                         extra={"env_steps": env_steps, "bc_eval": bc, "init": str(init_path),
-                                "guard_env_steps": guard_steps, "protocol": protocol_of(cfg)})  # fmt: skip
-                barrier(info)
+        iterate(cfg, run_dir, rt, info, logger, learner, guard, progress, init_path, goal)
     finally:
         learner.close()
-
-    # ---- after PPO: the same held-out seeds, a curve and a video
-    summary: dict[str, Any] | None = None
-    if info.is_main:
-        after_val = eval_record(held_out(learner.policy, cfg, rt, "val")) if cfg.val_episodes else None
-        after = held_out(learner.policy, cfg, rt, "test")  # once, at the end: the reported figure
-        goal = goal and after.reports_success
-        last = {"eval/mean_return": after.mean_return}
-        if goal:
-            last["eval/success_rate"] = after.success_rate
-        if after_val is not None:
-            last.update(val_scalars(after_val))
-        logger.log(last, step=env_steps)
-        artifacts(cfg, run_dir, learner.policy, rt, success=goal)
-        n_bc, bc_returns = len(bc["successes"]), bc.get("returns", [])
-        bc_rate = sum(bc["successes"]) / n_bc
-        summary = {
-            "bc_success_rate": bc_rate if goal else None,
-            "ppo_success_rate": after.success_rate if goal else None,
-            "bc_ci": [round(v, 3) for v in EvalResult(bc_rate, 0.0, n_bc, 0, bc["successes"]).wilson()]
-            if goal
-            else None,
-            "ppo_ci": [round(v, 3) for v in after.wilson()] if goal else None,
-            # mean episode return with its 95 % Student-t interval (checkpoints before returns: none)
-            "bc_return": round(float(np.mean(bc_returns)), 2) if bc_returns else None,
-            "ppo_return": round(after.mean_return, 2),
-            "bc_return_ci": [round(v, 2) for v in mean_interval(bc_returns)] if bc_returns else None,
-            "ppo_return_ci": [round(v, 2) for v in after.return_ci()],
-            "eval_episodes": after.episodes,
-            "protocol": protocol_of(cfg),  # how both figures were sampled; the checkpoints carry it
-            # which seeds each figure comes from: the top-level figures are the test split's
-            "splits": {
-                "test": {"first_seed": cfg.eval_seed, "episodes": after.episodes, "use": "reported figure"},
-                "val": {"first_seed": cfg.val_seed, "episodes": cfg.val_episodes, "use": "every choice"},
-            },
-            "val": split_summary(bc.get("val"), after_val, goal),
-            "failures": {
-                "bc": failure_counts(bc["successes"], bc.get("outcomes", [])),
-                "ppo": after.failures(),
-            }
-            if goal
-            else None,
-            "drops": after.drops(),  # the fine-tuned policy's drops by how the grasp was lost
-            "head": algo.head,
-            "env_steps": env_steps,
-            "guard_env_steps": guard_steps,  # the rollback guard's validation episodes (algo.rollback_episodes)
-            "env_sps": round(ppo_steps / ppo_time, 1) if ppo_time > 0 else None,
-            "time_split_s": {
-                "env": round(split[0], 1),
-                "policy": round(split[1], 1),
-                "update": round(split[2], 1),
-            },
-            "iterations": algo.iterations,
-            "world_size": info.world_size,
-            "checkpoint": str(ckpt_root / "latest"),
-            "wall_time_s": round(time.perf_counter() - start, 1),
-        }
+    summary = (
+        summarize(cfg, run_dir, rt, info, logger, learner, progress, goal, start) if info.is_main else None
+    )
     barrier(info)
     return summary, learner
+
+
+def resume(
+    cfg: TrainConfig, run_dir: Path, rt: Runtime, info: DistInfo, logger: Logger, learner: Learner,
+    guard: RollbackGuard,
+) -> Progress:  # fmt: skip
+    """With ``resume=true`` and a checkpoint: the learner, guard, RNG and progress it holds; else a fresh start."""
+    ckpt_root = run_dir / "checkpoints"
+    if not (cfg.resume and checkpoint.exists(ckpt_root)):
+        return Progress()
+    ckpt = checkpoint.load(ckpt_root, map_location=rt.device)
+    learner.load_state(ckpt.state)
+    guard.best, guard.best_step = ckpt.state["guard"]["best"], ckpt.state["guard"]["best_step"]
+    guard.stable_step = ckpt.state["guard"]["stable_step"]
+    checkpoint.set_rng_state(ckpt.state["rng"])
+    progress = Progress(
+        iteration=ckpt.step, env_steps=int(ckpt.extra["env_steps"]), bc=ckpt.extra["bc_eval"],
+        guard_steps=int(ckpt.extra.get("guard_env_steps", 0)),
+    )  # fmt: skip
+    if info.is_main:
+        truncate_metrics(run_dir, progress.env_steps)
+        logger.event("resume", f"resumed from {ckpt.path.name}", progress.env_steps, iteration=ckpt.step)
+    return progress
+
+
+def evaluate_bc(cfg: TrainConfig, rt: Runtime, info: DistInfo, logger: Logger, learner: Learner) -> dict:
+    """The BC policy on both splits (rank 0): validation (choices) and test (the reported figure), logged at
+    step 0; the other ranks hold an empty record (they never report)."""
+    bc = {"successes": [], "outcomes": [], "returns": [], "reports_success": True, "val": None}
+    if not info.is_main:
+        return bc
+    before = held_out(learner.policy, cfg, rt, "test")
+    val = eval_record(held_out(learner.policy, cfg, rt, "val")) if cfg.val_episodes else None
+    bc = {**eval_record(before), "val": val}
+    first = {"eval/mean_return": float(np.mean(bc["returns"]))}
+    if before.reports_success:
+        first["eval/success_rate"] = sum(bc["successes"]) / len(bc["successes"])
+    if val is not None:
+        first.update(val_scalars(val))
+    logger.log(first, step=0)
+    return bc
+
+
+def iterate(
+    cfg: TrainConfig, run_dir: Path, rt: Runtime, info: DistInfo, logger: Logger, learner: Learner,
+    guard: RollbackGuard, progress: Progress, init_path: Path, goal: bool,
+) -> None:  # fmt: skip
+    """The fine-tuning iterations from ``progress.iteration``: seeded rollout, update, sums over ranks,
+    metrics, and at every checkpoint the rollback guard's verdict and the checkpoints (``progress`` moves)."""
+    algo = cfg.algo
+    ckpt_root, stable_root = run_dir / "checkpoints", run_dir / "checkpoints" / "stable"
+    window = [0.0, 0.0]  # successes and episodes since the last checkpoint (a restart begins a new window)
+    iterations = logger.progress(
+        range(progress.iteration, algo.iterations), total=algo.iterations - progress.iteration, desc="ppo"
+    )
+    for it in iterations:
+        t_it = time.perf_counter()
+        seed = iteration_seed(cfg, info, it)
+        stats = learner.rollout(seed)
+        t_roll = time.perf_counter() - t_it
+        losses = learner.update(seed, progress.env_steps, it)
+        counts = sum_metrics(
+            {"n": stats.env_steps, "ep": stats.episodes, "ok": stats.successes}, info, rt.device
+        )
+        progress.env_steps += int(counts["n"])
+        window[0] += counts["ok"]
+        window[1] += counts["ep"]
+        t_total = time.perf_counter() - t_it
+        progress.seconds, progress.steps_timed = (
+            progress.seconds + t_total,
+            progress.steps_timed + int(counts["n"]),
+        )
+        split = progress.split
+        progress.split = [split[0] + stats.env_s, split[1] + stats.policy_s, split[2] + t_total - t_roll]
+        metrics = mean_metrics(losses, info, rt.device)
+        if goal:
+            metrics["rollout/success_rate"] = counts["ok"] / counts["ep"] if counts["ep"] else float("nan")
+        metrics.update({
+            "rollout/episodes": counts["ep"],
+            "rollout/mean_return": sum(stats.returns) / max(len(stats.returns), 1),
+            "time/rollout_s": t_roll,
+            "time/policy_s": stats.policy_s,
+            "time/env_s": stats.env_s,
+            "time/update_s": t_total - t_roll,
+            "time/iteration_s": t_total,
+            "time/sps": counts["n"] / t_total,
+            "train/iteration": it + 1,
+        })  # fmt: skip
+        if (it + 1) % cfg.log.every == 0 or it + 1 == algo.iterations:
+            logger.log(metrics, step=progress.env_steps)
+        if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == algo.iterations:
+            # the guard judges validation episodes (algo.rollback_episodes), or else the training
+            # episodes since the last checkpoint (none ended: no verdict)
+            rollback = False
+            if info.is_main and algo.rollback_episodes:
+                judged = held_out(learner.policy, cfg, rt, "val", algo.rollback_episodes)
+                progress.guard_steps += judged.env_steps
+                logger.log({"val/guard_success_rate": judged.success_rate}, step=progress.env_steps)
+                rollback = guard.update(judged.success_rate, it + 1).rollback
+            elif info.is_main and window[1] > 0:
+                rollback = guard.update(window[0] / window[1], it + 1).rollback
+            window = [0.0, 0.0]
+            if broadcast_flag(rollback, info, rt.device) and checkpoint.exists(stable_root):
+                restore_stable(stable_root, learner, rt, logger, progress.env_steps)
+            if info.is_main:
+                save(learner, cfg, ckpt_root, stable_root, it + 1, guard, metrics, rollback,
+                     extra={"env_steps": progress.env_steps, "bc_eval": progress.bc, "init": str(init_path),
+                            "guard_env_steps": progress.guard_steps, "protocol": protocol_of(cfg)})  # fmt: skip
+            barrier(info)
+
+
+def summarize(
+    cfg: TrainConfig, run_dir: Path, rt: Runtime, info: DistInfo, logger: Logger, learner: Learner,
+    progress: Progress, goal: bool, start: float,
+) -> dict[str, Any]:  # fmt: skip
+    """After fine-tuning (rank 0): the same held-out seeds as BC's, curves and a video; -> the summary."""
+    after_val = eval_record(held_out(learner.policy, cfg, rt, "val")) if cfg.val_episodes else None
+    after = held_out(learner.policy, cfg, rt, "test")  # once, at the end: the reported figure
+    goal = goal and after.reports_success
+    last = {"eval/mean_return": after.mean_return}
+    if goal:
+        last["eval/success_rate"] = after.success_rate
+    if after_val is not None:
+        last.update(val_scalars(after_val))
+    logger.log(last, step=progress.env_steps)
+    artifacts(cfg, run_dir, learner.policy, rt, success=goal)
+    bc = progress.bc
+    n_bc, bc_returns = len(bc["successes"]), bc.get("returns", [])
+    bc_rate = sum(bc["successes"]) / n_bc
+    return {
+        "bc_success_rate": bc_rate if goal else None,
+        "ppo_success_rate": after.success_rate if goal else None,
+        "bc_ci": [round(v, 3) for v in EvalResult(bc_rate, 0.0, n_bc, 0, bc["successes"]).wilson()]
+        if goal
+        else None,
+        "ppo_ci": [round(v, 3) for v in after.wilson()] if goal else None,
+        # mean episode return with its 95 % Student-t interval (checkpoints before returns: none)
+        "bc_return": round(float(np.mean(bc_returns)), 2) if bc_returns else None,
+        "ppo_return": round(after.mean_return, 2),
+        "bc_return_ci": [round(v, 2) for v in mean_interval(bc_returns)] if bc_returns else None,
+        "ppo_return_ci": [round(v, 2) for v in after.return_ci()],
+        "eval_episodes": after.episodes,
+        "protocol": protocol_of(cfg),  # how both figures were sampled; the checkpoints carry it
+        # which seeds each figure comes from: the top-level figures are the test split's
+        "splits": {
+            "test": {"first_seed": cfg.eval_seed, "episodes": after.episodes, "use": "reported figure"},
+            "val": {"first_seed": cfg.val_seed, "episodes": cfg.val_episodes, "use": "every choice"},
+        },
+        "val": split_summary(bc.get("val"), after_val, goal),
+        "failures": {
+            "bc": failure_counts(bc["successes"], bc.get("outcomes", [])),
+            "ppo": after.failures(),
+        }
+        if goal
+        else None,
+        "drops": after.drops(),  # the fine-tuned policy's drops by how the grasp was lost
+        "head": cfg.algo.head,
+        "env_steps": progress.env_steps,
+        "guard_env_steps": progress.guard_steps,  # the rollback guard's validation episodes
+        "env_sps": round(progress.steps_timed / progress.seconds, 1) if progress.seconds > 0 else None,
+        "time_split_s": {
+            "env": round(progress.split[0], 1),
+            "policy": round(progress.split[1], 1),
+            "update": round(progress.split[2], 1),
+        },
+        "iterations": cfg.algo.iterations,
+        "world_size": info.world_size,
+        "checkpoint": str(run_dir / "checkpoints" / "latest"),
+        "wall_time_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def eval_record(result: EvalResult) -> dict[str, Any]:
