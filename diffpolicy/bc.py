@@ -157,6 +157,111 @@ def condition_gap(policy: Any, obs: dict[str, Any], actions: torch.Tensor, seed:
     return float(shuffled / right.clamp_min(1e-12))
 
 
+def fitted_policy(data: Any, policy_cfg: PolicyConfig, text_backend: str) -> Any:
+    """A fresh policy for the demonstrations' observations, its action and state normalisers fitted to them."""
+    policy = build_policy(policy_cfg, data.obs_spec, data.action_dim, text_backend=text_backend)
+    steps = data.steps()
+    state = data.data["state"][steps] if "state" in data.data else None
+    policy.fit_normalizers(actions=data.data["action"][steps], state=state)
+    return policy
+
+
+def bc_budget(n_windows: int, bc_cfg: BCConfig) -> tuple[int, int, int, int]:
+    """(batch size, batches per pass, optimiser steps, passes): ``bc.steps`` when positive, else ``bc.epochs``
+    passes; a step budget's last pass stops where the budget ends."""
+    batch_size = min(bc_cfg.batch_size, n_windows)
+    per_epoch = n_windows // batch_size
+    total = bc_cfg.steps or per_epoch * bc_cfg.epochs
+    return batch_size, per_epoch, total, math.ceil(total / per_epoch)
+
+
+def optimiser_step(
+    loss: torch.Tensor, params: list[torch.nn.Parameter], optim: torch.optim.Optimizer, scaler: Any,
+    max_grad_norm: float,
+) -> None:  # fmt: skip
+    """Backward through the (fp16-scaled) loss, clip by global norm (0: no clip), step."""
+    optim.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optim)
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
+    scaler.step(optim)
+    scaler.update()
+
+
+def target_head(
+    data: Any, policy_cfg: PolicyConfig, bc_cfg: BCConfig, device: torch.device
+) -> TargetHead | None:
+    """BC's auxiliary head for the demonstrations' ``target_pos`` label (None when ``bc.target_aux_weight`` is
+    0); a dataset without the label, or one that is not xyz triples, fails here rather than mid-run."""
+    if bc_cfg.target_aux_weight <= 0:
+        return None
+    label = data.target(torch.zeros(1, dtype=torch.long))
+    if label.shape[-1] % 3:
+        raise ValueError(f"the demonstrations' target_pos has {label.shape[-1]} values, not 3 per point")
+    enc = policy_cfg.encoder
+    return TargetHead(
+        policy_cfg.cond_dim, enc.workspace_low, enc.workspace_high, points=label.shape[-1] // 3
+    ).to(device)
+
+
+def training_batch(
+    data: Any,
+    idx: torch.Tensor,
+    device: torch.device,
+    bc_cfg: BCConfig,
+    gen: torch.Generator,
+    *,
+    with_target: bool,
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
+    """Windows ``idx`` as (obs, actions (B, Ta, Da), target (B, 3 k) or None), seen from a scene shifted in x
+    and y by up to ``bc.translate`` (one offset per window, drawn from ``gen``) when that is > 0."""
+    obs, actions = data.batch(idx, device)
+    target = data.target(idx, device) if with_target else None
+    if bc_cfg.translate > 0:  # the same actions from a scene shifted in x and y
+        offset = torch.zeros(len(idx), 3)
+        offset[:, :2] = (torch.rand(len(idx), 2, generator=gen) * 2 - 1) * bc_cfg.translate
+        obs, target = translate_scene(obs, target, offset.to(device), bc_cfg.translate_state)
+    return obs, actions, target
+
+
+def bc_losses(
+    policy: Any, aux: TargetHead | None, obs: dict[str, Any], actions: torch.Tensor,
+    target: torch.Tensor | None, bc_cfg: BCConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """(BC loss, auxiliary loss, auxiliary error in m) of one batch; the last two None without ``aux``."""
+    if aux is None:
+        return policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws), None, None
+    loss, cond = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, return_cond=True)
+    aux_loss, aux_error = aux(cond, target)
+    return loss, aux_loss, aux_error
+
+
+def save_bc(
+    root: Path, step: int, epoch: int, loss: float, ema_policy: Any, policy: Any, aux: TargetHead | None,
+    optim: torch.optim.Optimizer, env_cfg: EnvConfig, policy_cfg: PolicyConfig, obs_spec: dict[str, Any],
+    description: dict[str, Any],
+) -> Path:  # fmt: skip
+    """A BC checkpoint: the EMA weights as ``policy``; the raw weights, the auxiliary head, the optimiser and
+    the RNG beside them (the last two kept)."""
+    return save_policy(
+        root,
+        step,
+        ema_policy,
+        env_cfg=env_cfg,
+        policy_cfg=policy_cfg,
+        obs_spec=obs_spec,
+        extra_state={
+            "model": policy.state_dict(),
+            **({"target_head": aux.state_dict()} if aux is not None else {}),
+            "optim": optim.state_dict(),
+            "rng": checkpoint.rng_state(),
+        },
+        metrics={"losses/bc": loss, "epoch": epoch},
+        extra={**description, "epoch": epoch},
+        keep=2,
+    )
+
+
 def behaviour_cloning(
     env_cfg: EnvConfig,
     policy_cfg: PolicyConfig,
@@ -200,31 +305,16 @@ def behaviour_cloning(
     device = runtime.device
     runtime.manual_seed(seed)
     data = DemoWindows(demos_path, policy_cfg.n_obs_steps, policy_cfg.horizon)
-    policy = build_policy(policy_cfg, data.obs_spec, data.action_dim, text_backend=text_backend)
-    steps = data.steps()
-    state = data.data["state"][steps] if "state" in data.data else None
-    policy.fit_normalizers(actions=data.data["action"][steps], state=state)
-    policy.to(device).train()
+    policy = fitted_policy(data, policy_cfg, text_backend).to(device).train()
     ema = EMA(policy, bc_cfg.ema_decay)
 
     if bc_cfg.translate > 0 and "points" not in data.obs_spec:
         raise ValueError("bc.translate shifts point clouds, and these demonstrations observe none")
-    aux = None
-    if bc_cfg.target_aux_weight > 0:
-        label = data.target(torch.zeros(1, dtype=torch.long))  # a dataset without it fails here, not mid-run
-        if label.shape[-1] % 3:
-            raise ValueError(f"the demonstrations' target_pos has {label.shape[-1]} values, not 3 per point")
-        enc = policy_cfg.encoder
-        aux = TargetHead(
-            policy_cfg.cond_dim, enc.workspace_low, enc.workspace_high, points=label.shape[-1] // 3
-        ).to(device)
+    aux = target_head(data, policy_cfg, bc_cfg, device)
     params = [p for p in policy.parameters() if p.requires_grad]
     params += list(aux.parameters()) if aux is not None else []
     optim = torch.optim.AdamW(params, lr=bc_cfg.lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
-    batch_size = min(bc_cfg.batch_size, len(data))
-    per_epoch = len(data) // batch_size
-    total = bc_cfg.steps or per_epoch * bc_cfg.epochs
-    epochs = math.ceil(total / per_epoch)  # passes over the windows; a step budget's last one stops early
+    batch_size, per_epoch, total, epochs = bc_budget(len(data), bc_cfg)
     warmup = max(1, min(500, total // 20))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
     scaler = runtime.grad_scaler()
@@ -234,23 +324,8 @@ def behaviour_cloning(
     description = {"stage": "bc", "demos": str(demos_path), "seed": seed, **(extra or {})}
 
     def save(step: int, epoch: int, loss: float) -> Path:
-        return save_policy(
-            ckpt_root,
-            step,
-            ema.module,
-            env_cfg=env_cfg,
-            policy_cfg=policy_cfg,
-            obs_spec=data.obs_spec,
-            extra_state={
-                "model": policy.state_dict(),
-                **({"target_head": aux.state_dict()} if aux is not None else {}),
-                "optim": optim.state_dict(),
-                "rng": checkpoint.rng_state(),
-            },
-            metrics={"losses/bc": loss, "epoch": epoch},
-            extra={**description, "epoch": epoch},
-            keep=2,
-        )
+        return save_bc(ckpt_root, step, epoch, loss, ema.module, policy, aux, optim, env_cfg, policy_cfg,
+                       data.obs_spec, description)  # fmt: skip
 
     probe_idx = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:PROBE_WINDOWS]
     probe = data.batch(probe_idx, device)  # fixed windows for condition_gap
@@ -264,28 +339,14 @@ def behaviour_cloning(
         for b in range(n_batches):
             next(bar, None)
             idx = order[b * batch_size : (b + 1) * batch_size]
-            obs, actions = data.batch(idx, device)
-            target = data.target(idx, device) if aux is not None else None
-            if bc_cfg.translate > 0:  # the same actions from a scene shifted in x and y
-                offset = torch.zeros(len(idx), 3)
-                offset[:, :2] = (torch.rand(len(idx), 2, generator=gen) * 2 - 1) * bc_cfg.translate
-                obs, target = translate_scene(obs, target, offset.to(device), bc_cfg.translate_state)
+            obs, actions, target = training_batch(data, idx, device, bc_cfg, gen, with_target=aux is not None)
             with runtime.autocast():
-                if aux is None:
-                    loss = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws)
-                    total_loss = loss
-                else:
-                    loss, cond = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, return_cond=True)
-                    aux_loss, aux_error = aux(cond, target)
-                    total_loss = loss + bc_cfg.target_aux_weight * aux_loss
-                    aux_sum += float(aux_loss.detach())
-                    aux_error_sum += float(aux_error)
-            optim.zero_grad(set_to_none=True)
-            scaler.scale(total_loss).backward()
-            scaler.unscale_(optim)
-            torch.nn.utils.clip_grad_norm_(params, bc_cfg.max_grad_norm or math.inf)
-            scaler.step(optim)
-            scaler.update()
+                loss, aux_loss, aux_error = bc_losses(policy, aux, obs, actions, target, bc_cfg)
+                total_loss = loss if aux is None else loss + bc_cfg.target_aux_weight * aux_loss
+            if aux is not None:
+                aux_sum += float(aux_loss.detach())
+                aux_error_sum += float(aux_error)
+            optimiser_step(total_loss, params, optim, scaler, bc_cfg.max_grad_norm)
             sched.step()
             ema.update(policy)
             step += 1
@@ -297,11 +358,10 @@ def behaviour_cloning(
             if window_n == LOG_EVERY or step == total:
                 scalars = {"losses/bc": window_loss / window_n, "train/lr": sched.get_last_lr()[0]}
                 if aux is not None:  # the auxiliary loss and how far the head places the named object
-                    scalars["losses/target_aux"] = aux_sum / window_n
-                    scalars["train/target_error_cm"] = 100 * aux_error_sum / window_n
-                    aux_sum, aux_error_sum = 0.0, 0.0
+                    scalars.update({"losses/target_aux": aux_sum / window_n,
+                                    "train/target_error_cm": 100 * aux_error_sum / window_n})  # fmt: skip
                 logger.log(scalars, step)
-                window_loss, window_n = 0.0, 0
+                window_loss, window_n, aux_sum, aux_error_sum = 0.0, 0, 0.0, 0.0
         epoch_loss = loss_sum / max(1, n_batches)
         scalars = {"losses/bc_epoch": epoch_loss, "train/epoch": epoch}
         if hasattr(ema.module, "denoiser"):  # diffusion policies (the Gaussian baseline has no denoiser)

@@ -99,7 +99,7 @@ def ppo_update(
         train_actor: update the policy (False during the critic warm-up: only the critic learns, and the
             chains' log-probs are not even evaluated).
     """
-    policy, critic = learner.policy, learner.critic
+    policy = learner.policy
     params = learner.params()
     sums: dict[str, float] = defaultdict(float)
     count, skipped, epochs_run, kl_stops = 0, 0, 0, 0
@@ -123,29 +123,9 @@ def ppo_update(
                     count += 1
                 continue
             chain, old_logp = mb["chains"], mb["logprobs"]  # (B, K'+1, Ta, Da), (B, K')
-            with runtime.autocast():
-                cond = mb["cond"] if reuse_cond else policy.encode(obs, augment=False)  # (B, cond_dim)
-                new_logp = policy.log_prob(chain, cond=cond).float()  # (B, K') fp32
-            adv = mb["advantages"].float()
-            if cfg.norm_adv:
-                adv = normalize(adv)
-            adv_k = denoise_discount(adv, old_logp.shape[1], cfg.denoise_gamma)  # (B, K')
-            loss, stats = policy_loss(
-                new_logp, old_logp, adv_k, clip_eps, mode=cfg.clip, normalize=cfg.normalize
+            loss, pg, v_loss, reg, stats = _minibatch_loss(
+                learner, mb, obs, reuse_cond, cfg, clip_eps, runtime, use_critic
             )
-            v_loss = torch.zeros((), device=loss.device)
-            if use_critic:
-                v_loss = value_loss(critic(cond.detach()), mb["returns"])
-                loss = loss + cfg.vf_coef * v_loss
-            reg = torch.zeros((), device=loss.device)
-            if learner.reference is not None:
-                with runtime.autocast():
-                    mean, std = policy.transition_mean_std(chain, cond)  # (B, K', Ta, Da)
-                with torch.no_grad(), runtime.autocast():
-                    ref_cond = cond if reuse_cond else learner.reference.encode(obs)
-                    ref_mean, _ = learner.reference.transition_mean_std(chain, ref_cond)
-                reg = regularizer(cfg.reg, means=mean.float(), ref_means=ref_mean.float(), stds=std)
-                loss = loss + cfg.reg_coef * reg
             learner.actor_optim.zero_grad(set_to_none=True)
             learner.critic_optim.zero_grad(set_to_none=True)
             learner.scaler.scale(loss).backward()
@@ -183,12 +163,7 @@ def ppo_update(
             kl = float(stats["approx_kl"])
             epochs.record(kl)
             for name, value in (
-                (
-                    "losses/policy",
-                    float(loss.detach())
-                    - cfg.vf_coef * float(v_loss.detach())
-                    - cfg.reg_coef * float(reg.detach()),
-                ),
+                ("losses/policy", float(pg.detach())),
                 ("losses/value", float(v_loss.detach())),
                 ("losses/regularizer", float(reg.detach())),
                 ("losses/approx_kl", kl),
@@ -210,6 +185,32 @@ def ppo_update(
     out["losses/kl_stops"] = float(kl_stops)
     out["stability/skipped_updates"] = float(skipped)
     return out
+
+
+def _minibatch_loss(
+    learner: ChainModules, mb: dict[str, Tensor], obs: dict[str, Any] | None, reuse_cond: bool,
+    cfg: ChainConfig, clip_eps: Tensor, runtime: Any, use_critic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, dict[str, Tensor]]:  # fmt: skip
+    """The minibatch's loss to minimise, policy_loss + vf_coef * value_loss + reg_coef * regulariser, with its
+    three parts and the policy loss's stats; log-probs, losses and the value head in fp32."""
+    policy, chain, old_logp = learner.policy, mb["chains"], mb["logprobs"]  # (B, K'+1, Ta, Da), (B, K')
+    with runtime.autocast():
+        cond = mb["cond"] if reuse_cond else policy.encode(obs, augment=False)  # (B, cond_dim)
+        new_logp = policy.log_prob(chain, cond=cond).float()  # (B, K') fp32
+    adv = normalize(mb["advantages"].float()) if cfg.norm_adv else mb["advantages"].float()
+    adv_k = denoise_discount(adv, old_logp.shape[1], cfg.denoise_gamma)  # (B, K')
+    pg, stats = policy_loss(new_logp, old_logp, adv_k, clip_eps, mode=cfg.clip, normalize=cfg.normalize)
+    zero = torch.zeros((), device=pg.device)
+    v_loss = value_loss(learner.critic(cond.detach()), mb["returns"]) if use_critic else zero
+    reg = zero
+    if learner.reference is not None:
+        with runtime.autocast():
+            mean, std = policy.transition_mean_std(chain, cond)  # (B, K', Ta, Da)
+        with torch.no_grad(), runtime.autocast():
+            ref_cond = cond if reuse_cond else learner.reference.encode(obs)
+            ref_mean, _ = learner.reference.transition_mean_std(chain, ref_cond)
+        reg = regularizer(cfg.reg, means=mean.float(), ref_means=ref_mean.float(), stds=std)
+    return pg + cfg.vf_coef * v_loss + cfg.reg_coef * reg, pg, v_loss, reg, stats
 
 
 class GradAgreement:
