@@ -168,6 +168,9 @@ def fine_tune(
         progress.bc = evaluate_bc(cfg, rt, info, logger, learner)
     # an env without a success notion (Hopper) gets no success metrics, curve or summary fields: None, not 0.0
     goal = bool(progress.bc.get("reports_success", True))
+    guard.relative = not goal  # without success the guard judges the mean return
+    if progress.iteration == 0 and info.is_main:
+        guard_baseline(cfg, run_dir, learner, guard, progress.bc, goal)
     learner.begin()
     try:
         iterate(cfg, run_dir, rt, info, logger, learner, guard, progress, init_path, goal)
@@ -203,6 +206,26 @@ def resume(
     return progress
 
 
+def guard_baseline(
+    cfg: TrainConfig, run_dir: Path, learner: Learner, guard: RollbackGuard, bc: dict, goal: bool
+) -> None:
+    """When the guard judges validation episodes (``algo.rollback_episodes``), the pre-trained policy is its
+    first verdict: BC's figure on those same episodes (the first n of its validation evaluation) sets the best,
+    and the policy is written as the stable checkpoint of step 0, so a first update that harms the deployed
+    policy is rolled back to BC itself."""
+    n = cfg.algo.rollback_episodes
+    val = bc.get("val")
+    if not n or val is None or len(val["returns"]) < n:
+        return
+    first = val["successes"][:n] if goal else val["returns"][:n]
+    guard.update(float(np.mean(first)), 0)
+    art_state, art_extra = learner.artifact()
+    save_policy(
+        run_dir / "checkpoints" / "stable", 0, learner.saved_policy(), env_cfg=cfg.env, policy_cfg=cfg.policy,
+        extra_state=art_state, extra={**art_extra, "protocol": protocol_of(cfg)}, keep=1,
+    )  # fmt: skip
+
+
 def evaluate_bc(cfg: TrainConfig, rt: Runtime, info: DistInfo, logger: Logger, learner: Learner) -> dict:
     """The BC policy on both splits (rank 0): validation (choices) and test (the reported figure), logged at
     step 0; the other ranks hold an empty record (they never report)."""
@@ -229,7 +252,7 @@ def iterate(
     metrics, and at every checkpoint the rollback guard's verdict and the checkpoints (``progress`` moves)."""
     algo = cfg.algo
     ckpt_root, stable_root = run_dir / "checkpoints", run_dir / "checkpoints" / "stable"
-    window = [0.0, 0.0]  # successes and episodes since the last checkpoint (a restart begins a new window)
+    window = [0.0, 0.0, 0.0]  # successes, episodes, summed returns since the last checkpoint (restart: new)
     iterations = logger.progress(
         range(progress.iteration, algo.iterations), total=algo.iterations - progress.iteration, desc="ppo"
     )
@@ -240,11 +263,11 @@ def iterate(
         t_roll = time.perf_counter() - t_it
         losses = learner.update(seed, progress.env_steps, it)
         counts = sum_metrics(
-            {"n": stats.env_steps, "ep": stats.episodes, "ok": stats.successes}, info, rt.device
-        )
+            {"n": stats.env_steps, "ep": stats.episodes, "ok": stats.successes, "ret": sum(stats.returns)},
+            info, rt.device,
+        )  # fmt: skip
         progress.env_steps += int(counts["n"])
-        window[0] += counts["ok"]
-        window[1] += counts["ep"]
+        window = [window[0] + counts["ok"], window[1] + counts["ep"], window[2] + counts["ret"]]
         t_total = time.perf_counter() - t_it
         progress.seconds, progress.steps_timed = (
             progress.seconds + t_total,
@@ -270,16 +293,19 @@ def iterate(
             logger.log(metrics, step=progress.env_steps)
         if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == algo.iterations:
             # the guard judges validation episodes (algo.rollback_episodes), or else the training
-            # episodes since the last checkpoint (none ended: no verdict)
+            # episodes since the last checkpoint (none ended: no verdict); success, or the mean return
             rollback = False
             if info.is_main and algo.rollback_episodes:
                 judged = held_out(learner.policy, cfg, rt, "val", algo.rollback_episodes)
                 progress.guard_steps += judged.env_steps
-                logger.log({"val/guard_success_rate": judged.success_rate}, step=progress.env_steps)
-                rollback = guard.update(judged.success_rate, it + 1).rollback
+                value = judged.success_rate if goal else judged.mean_return
+                logger.log(
+                    {f"val/guard_{'success_rate' if goal else 'return'}": value}, step=progress.env_steps
+                )
+                rollback = guard.update(value, it + 1).rollback
             elif info.is_main and window[1] > 0:
-                rollback = guard.update(window[0] / window[1], it + 1).rollback
-            window = [0.0, 0.0]
+                rollback = guard.update(window[0 if goal else 2] / window[1], it + 1).rollback
+            window = [0.0, 0.0, 0.0]
             if broadcast_flag(rollback, info, rt.device) and checkpoint.exists(stable_root):
                 restore_stable(stable_root, learner, rt, logger, progress.env_steps)
             if info.is_main:

@@ -151,3 +151,19 @@ def test_rollback_guard(tmp_path) -> None:
     assert guard.rollbacks == 2
     with pytest.raises(ValueError):
         RollbackGuard(1.5)
+
+
+def test_rollback_guard_on_returns_is_relative_to_the_best() -> None:
+    """Without a success notion the guard judges the mean return and tolerates a fall of ``drop`` x |best|:
+    the Hopper residual case (BC 2320, fine-tuned 1129) is caught; a return that is negative is judged on its
+    magnitude too."""
+    guard = RollbackGuard(0.3, relative=True)
+    assert not guard.update(2320.0, step=0).rollback  # the BC policy: the first verdict
+    assert not guard.update(2250.0, step=1).rollback  # within 30 % of 2320
+    d = guard.update(1129.0, step=2)  # 1129 < 2320 - 696
+    assert d.rollback and d.stable_step == 1
+    negative = RollbackGuard(0.3, relative=True)
+    negative.update(-50.0, step=0)
+    assert not negative.update(-60.0, step=1).rollback  # -60 >= -50 - 15
+    assert negative.update(-70.0, step=2).rollback
+    assert RollbackGuard(0.3).update(2320.0, 0).rollback is False  # absolute: success rates

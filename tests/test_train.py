@@ -378,3 +378,38 @@ def test_a_run_is_the_same_from_an_empty_and_from_a_warm_cache(tmp_path: Path) -
     a = checkpoint.load(tmp_path / "cold" / "checkpoints").state["policy"]
     b = checkpoint.load(tmp_path / "warm" / "checkpoints").state["policy"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_harm_to_the_deployed_policy_rolls_back_to_bc(tmp_path: Path, init_ckpt: Path, monkeypatch) -> None:
+    """The guard judging validation episodes sees the pre-trained policy first: BC's own validation figure is
+    its best and BC is the stable checkpoint of step 0, so an update whose deployed policy scores far worse is
+    rolled back to BC itself. Here the environment reports no success (returns are judged, relative to the
+    best) and the update is made harmful: the validation return falls from 100 to 10."""
+    from diffpolicy import train
+    from diffpolicy.evaluation import EvalResult
+
+    calls = {"n": 0}
+
+    def fake_held_out(policy, cfg, runtime, split="test", episodes=0):
+        calls["n"] += 1
+        n = episodes or (cfg.val_episodes if split == "val" else cfg.eval_episodes)
+        ret = 100.0 if calls["n"] <= 2 else 10.0  # BC's test and validation evaluations, then harm
+        return EvalResult(
+            0.0, ret, n, n, [False] * n, ["failed"] * n, returns=[ret] * n, reports_success=False
+        )
+
+    monkeypatch.setattr(train, "held_out", fake_held_out)
+    cfg = compose("train", [*TINY_RUN, *TINY_POLICY, f"policy.init={init_ckpt}", "algo.iterations=1",
+                            "algo.rollback_episodes=2", "val_episodes=2", "algo.lr=1e-2", "algo.target_kl=0",
+                            "video_episodes=0",
+                            "log.progress=false"])  # fmt: skip
+    summary = train.main(cfg, tmp_path)
+    assert summary["bc_return"] == 100.0 and summary["ppo_return"] == 10.0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    events = [e for e in map(json.loads, lines) if e.get("event") == "rollback"]
+    assert len(events) == 2  # the guard's verdict, then the restore from the stable checkpoint of step 0
+    assert events[0]["best"] == 100.0 and events[0]["success"] == 10.0 and events[0]["to_step"] == 0
+    start = checkpoint.load(init_ckpt).state["policy"]
+    end = checkpoint.load(tmp_path / "checkpoints").state["policy"]
+    assert all(torch.equal(start[k], end[k]) for k in start), "the harmful update was not undone"
+    assert not any(e.get("event") == "kl_stop" for e in map(json.loads, lines))  # the update was applied

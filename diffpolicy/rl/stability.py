@@ -264,17 +264,20 @@ class RollbackDecision:
 
 
 class RollbackGuard:
-    """Say when to roll back to the last stable checkpoint: success < best - drop.
+    """Say when to roll back to the last stable checkpoint: value < best - drop (a success rate), or, with
+    ``relative``, value < best - drop * |best| (a mean return, on an environment without a success notion).
 
     Args:
-        drop: tolerated fall of the success rate below its best (e.g. 0.3).
+        drop: tolerated fall below the best (e.g. 0.3: 0.3 of success rate, or 30 % of the best return).
+        relative: judge a return: the fall is a fraction of the best's magnitude.
         logger: optional logger; rollbacks become ``rollback`` events.
     """
 
-    def __init__(self, drop: float, *, logger: Any = None):
+    def __init__(self, drop: float, *, relative: bool = False, logger: Any = None):
         if not 0 <= drop <= 1:
             raise ValueError(f"drop={drop} must lie in [0, 1]")
         self.drop = drop
+        self.relative = relative
         self.logger = logger
         self.best = -math.inf
         self.best_step = -1
@@ -282,17 +285,20 @@ class RollbackGuard:
         self.rollbacks = 0
 
     def update(self, success: float, step: int) -> RollbackDecision:
-        """Record the success rate at ``step`` (e.g. the iteration of a checkpoint) and decide."""
+        """Record the judged value (a success rate, or a mean return with ``relative``) at ``step`` (the
+        iteration of a checkpoint; 0 for the pre-trained policy) and decide."""
         success = float(success)
         if success > self.best:
             self.best, self.best_step = success, step
-        rollback = not success >= self.best - self.drop  # a NaN success rate also rolls back
+        margin = self.drop * abs(self.best) if self.relative else self.drop
+        rollback = not success >= self.best - margin  # a NaN value also rolls back
         if rollback:
             self.rollbacks += 1
             if self.logger is not None:
+                what = "return" if self.relative else "success"
                 self.logger.event(
                     "rollback",
-                    f"success {success:.3f} fell below best {self.best:.3f} - {self.drop}; "
+                    f"{what} {success:.3f} fell below best {self.best:.3f} - {margin:.3g}; "
                     f"roll back to step {self.stable_step}",
                     step,
                     success=success,
