@@ -5,8 +5,9 @@ Loads the policy with :func:`diffpolicy.policy_io.load_policy`, runs :func:`diff
 the seeds ``train`` reports its figure on) or ``val`` (100 000 + i: the seeds every choice is made on;
 demonstrations use seeds from 0), records ``video_episodes`` episodes to ``eval.mp4`` and, when the checkpoint's run directory holds
 a ``metrics.jsonl``, plots its training curve into the run directory. The policy samples under the protocol
-its checkpoint records (``train`` writes the one its figure was reported under; ``deterministic=true|false``
-overrides it; :func:`diffpolicy.policy_io.sampling_protocol`), so evaluate says what train said. Prints one
+its checkpoint records (``train`` writes the one its figure was reported under; ``protocol=noise_free |
+exploration | dppo`` or ``deterministic=true|false`` override it; :data:`diffpolicy.policy_io.PROTOCOLS`), so
+evaluate says what train said. Prints one
 JSON line last:
 ``{"success_rate", "success_ci", "failures", "n_episodes", "mean_return", ...}`` (``failures``: reason ->
 count of the failed episodes, from the env's ``info["outcome"]``).
@@ -29,7 +30,7 @@ from diffpolicy import evaluation
 from diffpolicy.cli import launch
 from diffpolicy.config import EvaluateConfig
 from diffpolicy.device import Runtime
-from diffpolicy.policy_io import load_policy, sampling_protocol
+from diffpolicy.policy_io import apply_protocol, load_policy, sampling_protocol
 
 CURVE_KEYS = ("losses/bc", "rollout/success_rate", "losses/policy")
 """Metrics plotted (when present) from the checkpoint's run directory."""
@@ -77,7 +78,8 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     policy, env_cfg, ckpt = load_policy(
         cfg.checkpoint, runtime.device, env_overrides={"num_envs": cfg.num_envs}
     )
-    deterministic, protocol, source = sampling_protocol(ckpt, cfg.deterministic)
+    deterministic, protocol, source = sampling_protocol(ckpt, cfg.deterministic, cfg.protocol)
+    apply_protocol(policy, protocol)
     runtime.manual_seed(cfg.eval_seed)
     result = evaluation.evaluate(
         policy,

@@ -414,7 +414,7 @@ def check_residual_parity(
 
 
 def main(cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
-    from diffpolicy.policy_io import load_policy, sampling_protocol
+    from diffpolicy.policy_io import apply_protocol, load_policy, sampling_protocol
 
     out_dir = Path(cfg.out) if cfg.out else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -422,7 +422,8 @@ def main(cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
     shapes = dict(ckpt.extra["obs_spec"])
     residual = policy if getattr(policy, "acts_per_step", False) else None  # base + residual
     base = residual.base if residual is not None else policy
-    deterministic, _, _ = sampling_protocol(ckpt, cfg.deterministic)
+    deterministic, protocol, _ = sampling_protocol(ckpt, cfg.deterministic)
+    apply_protocol(base, protocol)
     deterministic = deterministic or residual is not None  # the residual's base samples noise-free
     onnx_path = out_dir / "policy.onnx"
     t0 = time.perf_counter()
@@ -458,7 +459,7 @@ def main(cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
         "opset": cfg.opset,
         "dynamic_batch": cfg.dynamic_batch,
         "deterministic": deterministic,
-        "protocol": "noise_free" if deterministic else "exploration",
+        "protocol": "noise_free" if deterministic else protocol,
         "ddim_steps": sched.ddim_steps,
         "stochastic_steps": graph.stochastic_steps,
         "horizon": base.horizon,

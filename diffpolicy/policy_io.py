@@ -38,17 +38,28 @@ ENCODER_FIELDS_ADDED = ("blank_text", "fusion")
 """EncoderConfig fields newer than some checkpoints, treated as :data:`POLICY_FIELDS_ADDED` are."""
 
 
-PROTOCOLS = {"noise_free": True, "exploration": False}
-"""Evaluation protocols a checkpoint can carry (``extra["protocol"]``) -> ``deterministic``: ``noise_free``
-takes every DDIM step's mean; ``exploration`` samples the stochastic chain (eta, ``policy.min_std``) that the
-rollouts sample."""
+PROTOCOLS = {"noise_free": True, "exploration": False, "dppo": False}
+"""Evaluation protocols -> whether every DDIM step takes its mean. ``noise_free``: every step's mean (under the
+policy's own eta; what ``train`` reports for residual and filtered_bc); ``exploration``: the stochastic chain
+the rollouts sample (eta, the ``policy.min_std`` floor); ``dppo``: DPPO's deterministic evaluation, each step
+drawn with its own eta-scaled std floored at 1e-3 and none at the last step, no exploration floor
+(:meth:`diffpolicy.diffusion.schedule.NoiseSchedule.with_natural_std`). A checkpoint carries the one its
+figure was reported under (``extra["protocol"]``)."""
 
 
-def sampling_protocol(ckpt: Checkpoint, deterministic: bool | None) -> tuple[bool, str, str]:
+def sampling_protocol(
+    ckpt: Checkpoint, deterministic: bool | None, protocol: str = ""
+) -> tuple[bool, str, str]:
     """How ``evaluate``, ``export`` and ``serve`` sample a checkpoint's policy: ``(deterministic, protocol,
-    source)``. An explicit ``deterministic`` wins (source ``override``); else the protocol the checkpoint's
-    figure was reported under (``checkpoint``); else, for a checkpoint that records none (BC checkpoints,
-    older runs), ``exploration`` (``default``)."""
+    source)``. A named ``protocol`` wins, then an explicit ``deterministic`` (source ``override``); else the
+    protocol the checkpoint's figure was reported under (``checkpoint``); else, for a checkpoint that records
+    none (BC checkpoints, older runs), ``exploration`` (``default``). Apply it with :func:`apply_protocol`."""
+    if protocol:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol={protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        if deterministic is not None and deterministic != PROTOCOLS[protocol]:
+            raise ValueError(f"protocol={protocol} and deterministic={deterministic} disagree; give one")
+        return PROTOCOLS[protocol], protocol, "override"
     if deterministic is not None:
         return bool(deterministic), "noise_free" if deterministic else "exploration", "override"
     recorded = ckpt.extra.get("protocol")
@@ -59,6 +70,15 @@ def sampling_protocol(ckpt: Checkpoint, deterministic: bool | None) -> tuple[boo
             f"checkpoint {ckpt.path}: extra['protocol']={recorded!r} is not one of {', '.join(PROTOCOLS)}"
         )
     return PROTOCOLS[recorded], recorded, "checkpoint"
+
+
+def apply_protocol(policy: Any, protocol: str) -> None:
+    """Make ``policy`` sample under ``protocol`` where its schedule must change (``dppo``: the natural stds);
+    ``noise_free`` / ``exploration`` need only the ``deterministic`` flag. A per-step policy (base + residual)
+    always acts noise-free and is left as it is."""
+    schedule = getattr(policy, "schedule", None)
+    if protocol == "dppo" and schedule is not None:
+        policy.schedule = schedule.with_natural_std()
 
 
 def save_policy(

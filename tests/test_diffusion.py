@@ -100,3 +100,19 @@ def test_ddpm_loss_is_scalar_and_differentiable():
     assert loss.dim() == 0 and loss.dtype == torch.float32 and torch.isfinite(loss)
     loss.backward()
     assert net.final_proj.weight.grad is not None
+
+
+def test_dppo_protocol_draws_with_the_natural_stds() -> None:
+    """``with_natural_std``: each step's own eta-scaled std floored at 1e-3, none at the last step, the min_std
+    exploration floor gone; means and timesteps untouched; the sampler draws exactly those stds."""
+    from diffpolicy.diffusion.schedule import NoiseSchedule
+
+    s = NoiseSchedule(100, 10, 5, eta=1.0, min_std=0.1)
+    n = s.with_natural_std()
+    want = s.sigma.clamp_min(1e-3)
+    want[-1] = 0.0
+    torch.testing.assert_close(n.std, want)
+    assert float(n.std[-1]) == 0.0 and float(s.std[-1]) >= 0.1 and (n.std[5:-1] < 0.1).any()
+    for name in ("c_x", "c_x0", "inv_sqrt_a", "eps_to_x0", "timesteps"):
+        assert torch.equal(getattr(n, name), getattr(s, name))
+    assert [c.std for c in n._float_coefs] == [float(v) for v in want]

@@ -98,6 +98,19 @@ def test_sampling_protocol_follows_the_checkpoint_unless_told(recorded, override
     assert sampling_protocol(SimpleNamespace(extra=extra, path="ck"), override) == expect
 
 
+def test_a_named_protocol_wins_and_may_not_contradict_deterministic():
+    from types import SimpleNamespace
+
+    from diffpolicy.policy_io import sampling_protocol
+
+    ck = SimpleNamespace(extra={"protocol": "noise_free"}, path="ck")
+    assert sampling_protocol(ck, None, "dppo") == (False, "dppo", "override")
+    with pytest.raises(ValueError, match="protocol=dppo and deterministic=True disagree"):
+        sampling_protocol(ck, True, "dppo")
+    with pytest.raises(ValueError, match="protocol='ddim' is not one of"):
+        sampling_protocol(ck, None, "ddim")
+
+
 def test_a_protocol_the_code_does_not_know_is_one_clear_error():
     from types import SimpleNamespace
 
@@ -134,6 +147,19 @@ def test_evaluate_says_what_train_said(tmp_path, monkeypatch):
     summary = evaluate.main(EvaluateConfig(**{**cfg.__dict__, "deterministic": False}), tmp_path / "b")
     assert (summary["protocol"], summary["protocol_from"]) == ("exploration", "override")
     assert calls and not any(calls)
+    calls.clear()
+    stds = []
+    real_sample = type(policy).sample
+
+    def spying_sample(self, *args, **kwargs):
+        stds.append(self.schedule.std.clone())
+        return real_sample(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(policy), "sample", spying_sample)
+    summary = evaluate.main(EvaluateConfig(**{**cfg.__dict__, "protocol": "dppo"}), tmp_path / "c")
+    assert (summary["protocol"], summary["protocol_from"]) == ("dppo", "override")
+    assert calls and not any(calls)  # sampled, with the natural stds: none at the last step, floor 1e-3
+    assert stds and all(float(s[-1]) == 0.0 and float(s[:-1].min()) >= 1e-3 for s in stds)
 
 
 def test_video_is_an_mp4_with_the_video_extra(tmp_path):

@@ -127,6 +127,19 @@ class NoiseSchedule(nn.Module):
             for i in range(ddim_steps)
         ]
 
+    def with_natural_std(self, floor: float = 1e-3) -> NoiseSchedule:
+        """A copy whose steps draw with their own eta-scaled std floored at ``floor``, and none at the last step
+        (DPPO's deterministic evaluation: the chain's natural stds, no exploration floor ``min_std``, no
+        final-step noise); everything else (means, timesteps) the same."""
+        twin = NoiseSchedule(
+            self.train_timesteps, self.ddim_steps, self.ft_steps, self.eta, 0.0, self.clip_sample
+        ).to(self.std.device)
+        std = self.sigma.clamp_min(floor)
+        std[-1] = 0.0
+        twin.std = std
+        twin._float_coefs = [c._replace(std=float(v)) for c, v in zip(twin._float_coefs, std.tolist())]
+        return twin
+
     @property
     def first_ft_step(self) -> int:
         """Index (in sampling order 0..K-1) of the first fine-tuned step, K - K'."""

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from diffpolicy.device import Runtime
-from diffpolicy.policy_io import load_policy, sampling_protocol
+from diffpolicy.policy_io import apply_protocol, load_policy, sampling_protocol
 from diffpolicy.serving.wire import ObsSpec, obs_spec_from_shapes
 
 
@@ -211,5 +211,6 @@ def sampler_from_checkpoint(
     shapes = dict(ckpt.extra["obs_spec"])
     if getattr(policy, "acts_per_step", False):
         return ResidualSampler(policy, shapes, runtime=runtime, seed=seed, max_sessions=max_sessions)
-    noise_free, _, _ = sampling_protocol(ckpt, deterministic)
+    noise_free, protocol, _ = sampling_protocol(ckpt, deterministic)
+    apply_protocol(policy, protocol)
     return PolicySampler(policy, shapes, runtime=runtime, deterministic=noise_free, seed=seed)
