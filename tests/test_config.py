@@ -60,7 +60,7 @@ def test_primary_configs_compose(name: str, compose) -> None:
 
 @pytest.mark.parametrize("name", NEED_CHECKPOINT)
 def test_checkpoint_entry_points_compose_and_require_one(name: str, compose) -> None:
-    """evaluate, export and serve are typed configs of config.py too, validated when composed."""
+    """evaluate, export and serve are typed configs of diffpolicy.config too, validated when composed."""
     assert isinstance(compose(name, ["checkpoint=somewhere"]), C.PRIMARY[name])
     with pytest.raises(ValueError, match="checkpoint is required"):
         compose(name)

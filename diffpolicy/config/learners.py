@@ -1,0 +1,312 @@
+"""The fine-tuning learners' configs (``algo.*``): what every learner reads (:class:`LearnerConfig`), the PPO
+learners' shared fields (:class:`PPOConfig`) and one subclass per learner, with :data:`LEARNERS` mapping
+``algo.head`` to its schema. The learners themselves live in ``diffpolicy/rl/`` and read these; the configs stay
+below them so that every entry point can build and validate a config without importing a learner."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from diffpolicy.config.common import _choice, _positive, _unit
+
+
+@dataclass
+class LearnerConfig:
+    """What every learner reads (``algo.*``): its name, how long it runs, its step size and the rollback guard.
+
+    Each learner has its own subclass and YAML under ``conf/algo/`` (whose ``defaults`` name the schema), so
+    ``algo=<learner> --cfg job`` shows only the fields that learner reads, and a field of another learner is
+    an unknown key.
+    """
+
+    name: str = "learner"
+    """Config-group entry."""
+    head: str = "chain"
+    """What is trained: chain (PPO on the last K' denoising steps, DPPO) | residual (the diffusion policy
+    frozen, a Gaussian MLP correcting each control step's action) | filtered_bc (BC continued on the policy's
+    own successful episodes, rl/filtered_bc.py) | fpo (PPO with the denoising-loss ratio, rl/fpo.py)."""
+    iterations: int = 60
+    """Iterations (rollout + update)."""
+    lr: float = 1e-4
+    """Learning rate of what is trained (the denoiser, the residual head, the whole policy)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 disables)."""
+    rollback_drop: float = 0.3
+    """Roll back to the last stable checkpoint when the judged success rate (``algo.rollback_episodes``)
+    falls this far below its best."""
+    rollback_episodes: int = 0
+    """What the rollback guard judges at each checkpoint: 0, the training rollouts' episodes since the last
+    checkpoint (seeds 10 000 000 + ..., free); n > 0, n validation episodes (seeds ``val_seed`` + i, the same
+    n every time, the held-out protocol), at the cost of their env steps, which the summary counts apart."""
+
+    judged_noise_free: ClassVar[bool] = False
+    """The learner's policy acts with every DDIM step's mean, so BC and its result are judged that way
+    (:func:`diffpolicy.evaluation.held_out`); a class constant of the learner, not a field."""
+
+    def __post_init__(self) -> None:
+        _choice("algo.head", self.head, HEADS)
+        _positive("algo.rollback_episodes", self.rollback_episodes, allow_zero=True)
+        _positive("algo.iterations", self.iterations)
+        _positive("algo.lr", self.lr)
+        _positive("algo.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _unit("algo.rollback_drop", self.rollback_drop)
+
+
+HEADS = ("chain", "residual", "filtered_bc", "fpo")
+"""The learners' heads (``algo.head``)."""
+
+
+@dataclass
+class PPOConfig(LearnerConfig):
+    """The fields of every PPO learner (chain and residual heads): rollout size, critic, GAE, clipping."""
+
+    n_steps: int = 16
+    """T: decisions (chain) or control steps (residual) per environment per iteration."""
+    update_epochs: int = 4
+    """Passes over each iteration's rollout."""
+    minibatch_size: int = 64
+    """Samples per minibatch."""
+    critic_lr: float = 3e-4
+    """Critic learning rate."""
+    gamma: float = 0.99
+    """Discount between decisions (chain) or control steps (residual)."""
+    gae_lambda: float = 0.95
+    """GAE lambda."""
+    advantage: str = "gae"
+    """gae (critic + GAE) | grpo (chain only: group-relative, G envs share a seed, no critic)."""
+    clip_eps: float = 0.01
+    """PPO clip range (chain: at the first fine-tuned denoising step)."""
+    norm_adv: bool = True
+    """Normalise advantages per minibatch."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    target_kl: float = 0.05
+    """Stop the update epochs early when the approximate KL exceeds this (0 disables)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("algo.advantage", self.advantage, ("gae", "grpo"))
+        for name in ("n_steps", "update_epochs", "minibatch_size", "critic_lr", "clip_eps"):
+            _positive(f"algo.{name}", getattr(self, name))
+        for name in ("vf_coef", "target_kl"):
+            _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+        for name in ("gamma", "gae_lambda"):
+            _unit(f"algo.{name}", getattr(self, name))
+
+
+@dataclass
+class ChainConfig(PPOConfig):
+    """PPO on the last K' denoising steps of the diffusion policy (``algo=ppo | grpo | dppo``)."""
+
+    name: str = "ppo"
+    clip_eps_final: float | None = None
+    """Clip range at the final denoising step (linear from ``clip_eps`` in between); null = ``clip_eps``."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    denoise_gamma: float = 1.0
+    """Discount along the denoising steps (1 = none)."""
+    logprob_min_std: float = 0.0
+    """Floor on the std of the Gaussians in the PPO ratio's log-probs (DPPO's min_logprob_denoising_std);
+    0 uses the exact sampling std. With a small sampling floor the last steps' log-probs dominate the
+    gradient with noise that barely changes the outcome; a floor of 0.1 weighs all steps alike."""
+    logprob_clamp: list[float] = field(default_factory=list)
+    """[low, high] clamp of every per-element (one action entry of one step) log-prob, in nats, before the
+    average over the executed Te x Da entries (DPPO: [-5, 2]); [] disables."""
+    noise_clip: float = 0.0
+    """Clamp of each standard-normal draw z of a stochastic DDIM step to [-noise_clip, noise_clip], in units
+    of that step's std, before x = mean + std z (DPPO's randn_clip_value: 3); 0 disables."""
+    clip: str = "ppo"
+    """ppo (min of clipped and unclipped surrogate) | unconditional (StableDRL: always clip the ratio)."""
+    normalize: str = "mean"
+    """mean (average over samples) | self (self-normalised weights: divide by the sum of clipped ratios)."""
+    group_size: int = 4
+    """G: environments per group for algo.advantage=grpo."""
+    group_std: bool = True
+    """algo.advantage=grpo: divide each group's centred returns by the group's std (False: Dr. GRPO, centre
+    only, so groups whose returns barely differ weigh little)."""
+    critic_warmup: int = 0
+    """algo.advantage=gae: iterations at the start that train only the critic (DPPO's n_critic_warmup_itr), so
+    that the first policy updates do not follow the advantages of an untrained value function."""
+    reg: str = "none"
+    """Regulariser toward the pre-trained policy, on the minibatch's stored chains: none | kl (closed-form KL of
+    each step's Gaussians, which share their std: squared mean gap / 2 sigma^2) | bc (squared gap between the
+    step means and the frozen pre-trained policy's, unscaled by sigma)."""
+    reg_coef: float = 0.0
+    """Weight of the regulariser."""
+    grad_monitor_window: int = 20
+    """Updates in the gradient-norm z-score window."""
+    grad_spike_sigma: float = 3.0
+    """Warn when the gradient norm's z-score exceeds this."""
+    finetune_encoders: bool = False
+    """PPO also updates the observation encoders (re-encodes every minibatch: several times slower on a CPU);
+    when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head != "chain":
+            raise ValueError(f"algo.head={self.head!r}: a chain learner's head is chain")
+        if self.clip_eps_final is None:
+            self.clip_eps_final = self.clip_eps
+        _positive("algo.clip_eps_final", self.clip_eps_final)
+        _choice("algo.clip", self.clip, ("ppo", "unconditional"))
+        _choice("algo.normalize", self.normalize, ("mean", "self"))
+        _choice("algo.reg", self.reg, ("none", "kl", "bc"))
+        _positive("algo.group_size", self.group_size)
+        _positive("algo.grad_monitor_window", self.grad_monitor_window)
+        _positive("algo.grad_spike_sigma", self.grad_spike_sigma)
+        for name in ("weight_decay", "reg_coef", "logprob_min_std", "noise_clip", "critic_warmup"):
+            _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+        clamp = list(self.logprob_clamp)
+        if clamp and not (len(clamp) == 2 and clamp[0] < clamp[1]):
+            raise ValueError(
+                f"algo.logprob_clamp={clamp} is not allowed; give [] (off) or [low, high] with low < high"
+            )
+        _unit("algo.denoise_gamma", self.denoise_gamma)
+
+
+@dataclass
+class ResidualConfig(PPOConfig):
+    """Residual PPO over control steps on the frozen BC policy (``algo=residual``)."""
+
+    name: str = "residual"
+    head: str = "residual"
+    judged_noise_free: ClassVar[bool] = True  # its base samples every DDIM step's mean
+    residual_alpha: float = 0.1
+    """Bound of the correction alpha * tanh(u), env action units ([-1, 1] per dimension)."""
+    residual_hidden: list[int] = field(default_factory=lambda: [256, 256])
+    """Hidden widths of the residual's mean network and of its critic."""
+    residual_init_std: float = 0.2
+    """Initial std of u (before the tanh); alpha * std is the initial action noise."""
+    ent_coef: float = 0.0
+    """Weight of the Gaussian's entropy bonus."""
+    residual_l2: float = 0.0
+    """Weight of the pull toward the base policy, mean ||tanh(mu)||^2 of the correction."""
+    residual_update: str = "trust_region"
+    """trust_region (one step down the policy gradient pooled over the batches gathered since the policy last
+    moved, sized to w * max_drift of executed-action change) | ppo (clipped PPO epochs on each batch at Adam
+    learning rate lr * w)."""
+    signal_shuffles: int = 4
+    """Reference advantages (sign flips or shuffles) whose RMS drift is the noise level of
+    ``losses/signal_drift``."""
+    signal_reference: str = "signs"
+    """signs (flip each advantage's sign at random: every sample keeps its own |A|) | shuffle (permute the
+    advantages over the batch)."""
+    signal_scaled_lr: bool = True
+    """Scale the actor's learning rate by w = clamp(1 - (signal_margin / signal_drift)^2, 0, 1) each update,
+    so updates without evidence do not move the policy (false: always the full lr)."""
+    signal_margin: float = 1.25
+    """signal_drift at and below which w = 0 (1 = plain James-Stein shrinkage)."""
+    max_drift: float = 0.01
+    """Trust region, largest RMS change of the executed correction per update (env action units; 0
+    disables)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head != "residual":
+            raise ValueError(f"algo.head={self.head!r}: the residual learner's head is residual")
+        if self.advantage != "gae":
+            raise ValueError(
+                f"algo.head=residual needs algo.advantage=gae (a critic), got {self.advantage!r}"
+            )
+        _positive("algo.residual_alpha", self.residual_alpha)
+        _positive("algo.residual_init_std", self.residual_init_std)
+        if not self.residual_hidden or any(h <= 0 for h in self.residual_hidden):
+            raise ValueError(f"algo.residual_hidden={self.residual_hidden} must be positive widths")
+        _choice("algo.residual_update", self.residual_update, ("trust_region", "ppo"))
+        _choice("algo.signal_reference", self.signal_reference, ("signs", "shuffle"))
+        _positive("algo.signal_shuffles", self.signal_shuffles)
+        _positive("algo.signal_margin", self.signal_margin)
+        for name in ("ent_coef", "residual_l2", "max_drift"):
+            _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+
+
+@dataclass
+class FilteredBCConfig(LearnerConfig):
+    """Success-filtered self-imitation (``algo=filtered_bc``): roll out, keep the successes, continue BC."""
+
+    name: str = "filtered_bc"
+    head: str = "filtered_bc"
+    judged_noise_free: ClassVar[bool] = True  # its rollouts act noise-free by default (algo.explore)
+    iterations: int = 10
+    lr: float = 3e-4
+    max_grad_norm: float = 10.0
+    round_episodes: int = 192
+    """Episodes rolled out per round (iteration), on fresh training scenes."""
+    bc_steps: int = 400
+    """BC optimiser steps per round on the demonstrations + kept successes (batch ``batch_size``)."""
+    batch_size: int | None = None
+    """Windows per continuation step (null: ``bc.batch_size``, the batch the base was cloned with)."""
+    explore: str = "chunk"
+    """How rollouts sample: chunk (the deterministic chain plus Gaussian action noise of std ``explore_std``
+    drawn once per decision and held over its executed steps: reaches 55 % of the scenes the deterministic
+    20-demonstration BC fails, and lifted the 40-demonstration BC 0.795 -> 0.98 in 10 rounds, docs/experiments.md)
+    | chain (the stochastic chain: reaches 40 %; 0.465 -> 0.585 in 12 rounds from 20 demonstrations) |
+    deterministic (every DDIM step's mean, as evaluated: collects only scenes the policy already solves)."""
+    explore_std: float = 0.05
+    """``explore=chunk``: std of the held action noise, env units (actions are clipped to [-1, 1])."""
+    keep: str = "auto"
+    """Which of a round's episodes are imitated: success (those that reached the goal) | top (the
+    ``keep_fraction`` of the round's episodes with the highest return: %BC, for envs without a success notion
+    such as Hopper) | auto (success where the env reports it, else top)."""
+    keep_fraction: float = 0.25
+    """``keep=top``: the fraction of each round's episodes kept, by return (at least one)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("algo.keep", self.keep, ("auto", "success", "top"))
+        if not 0.0 < self.keep_fraction <= 1.0:
+            raise ValueError(f"algo.keep_fraction={self.keep_fraction} must lie in (0, 1]")
+        if self.head != "filtered_bc":
+            raise ValueError(f"algo.head={self.head!r}: the filtered_bc learner's head is filtered_bc")
+        _choice("algo.explore", self.explore, ("deterministic", "chain", "chunk"))
+        _positive("algo.explore_std", self.explore_std, allow_zero=True)
+        _positive("algo.round_episodes", self.round_episodes)
+        _positive("algo.bc_steps", self.bc_steps)
+        if self.batch_size is not None:
+            _positive("algo.batch_size", self.batch_size)
+
+
+def as_learner(algo: Any) -> LearnerConfig:
+    """``algo`` as its head's learner config: a bare :class:`LearnerConfig` (or a dict) becomes the
+    :data:`LEARNERS` class of its ``head``, keeping the shared fields; a learner config is returned as is."""
+    if isinstance(algo, dict):
+        algo = dict(algo)
+        _choice("algo.head", algo.get("head", "chain"), HEADS)
+        return LEARNERS[algo.get("head", "chain")](**algo)
+    if type(algo) is LearnerConfig:
+        shared = {f.name: getattr(algo, f.name) for f in dataclasses.fields(LearnerConfig)}
+        cls = LEARNERS[algo.head]
+        if shared["name"] == LearnerConfig.name:
+            shared["name"] = cls.name
+        return cls(**shared)
+    return algo
+
+
+@dataclass
+class FPOConfig(PPOConfig):
+    """PPO with the denoising-loss ratio (``algo=fpo``, FPO): the whole denoiser trained with BC's loss."""
+
+    name: str = "fpo"
+    head: str = "fpo"
+    mc_draws: int = 8
+    """M: (t, eps) draws per decision in the ratio exp(mean_i [l_old(i) - l_theta(i)])."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head != "fpo":
+            raise ValueError(f"algo.head={self.head!r}: the fpo learner's head is fpo")
+        if self.advantage != "gae":
+            raise ValueError(f"algo=fpo needs algo.advantage=gae (a critic), got {self.advantage!r}")
+        _positive("algo.mc_draws", self.mc_draws)
+
+
+LEARNERS: dict[str, type] = {
+    "chain": ChainConfig,
+    "fpo": FPOConfig,
+    "residual": ResidualConfig,
+    "filtered_bc": FilteredBCConfig,
+}
+"""Schema of each learner (``conf/algo/<x>.yaml`` names ``<schema>`` in its defaults): head -> dataclass,
+registered as ``algo/<head>_schema``."""
