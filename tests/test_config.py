@@ -53,6 +53,15 @@ def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, co
     )  # fmt: skip
 
 
+def test_dppo_gym_takes_dppos_update_steps_per_iteration(compose) -> None:
+    """DPPO's Gym fine-tuning: 40 envs x 500 decisions x K' 10 = 200k (decision, step) pairs in batches of
+    50k: 4 minibatches per epoch, 5 epochs, 20 Adam steps per iteration (not 200, as minibatches of 500 gave)."""
+    cfg = compose("train", ["env=hopper"])
+    decisions = cfg.algo.n_steps * cfg.env.num_envs
+    assert decisions // cfg.algo.minibatch_size * cfg.algo.update_epochs == 20
+    assert cfg.algo.minibatch_size * cfg.policy.ft_steps == 50_000
+
+
 @pytest.mark.parametrize("name", ["train", "pretrain", "collect", "bench"])
 def test_primary_configs_compose(name: str, compose) -> None:
     assert isinstance(compose(name), C.PRIMARY[name])
