@@ -178,3 +178,28 @@ def test_validation_and_test_seeds_are_disjoint_ranges() -> None:
     assert C.EvaluateConfig(checkpoint="x", split="val").eval_seed == C.VAL_SEED
     with pytest.raises(ValueError, match="add split=val"):
         C.EvaluateConfig(checkpoint="x", reachability_tries=4)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "bc", "demos"),
+    [
+        ("train", [], "mujoco_pick-unet_small-87a7f07a1c9a", "mujoco_pick-3950fa1e0ea9"),
+        ("train", ["env=hopper"], "hopper-mlp-716fb8465a05", "hopper-9ef96bc9851a"),
+        ("pretrain", ["env=metaworld", "env.task=coffee-push"], "metaworld-unet_small-5258e2be5e34",
+         "metaworld-73c225be9085"),
+        ("pretrain", ["env=metaworld", "env.task=assembly", "env.obs_mode=state"],
+         "metaworld-unet_small-a40c983c3183", "metaworld-e29886739d6c"),
+    ],
+)  # fmt: skip
+def test_cache_keys_are_pinned(name: str, overrides: list[str], bc: str, demos: str, compose) -> None:
+    """The default runs' demonstration and BC cache keys, as the caches of earlier releases were written:
+    a refactor or a new field at its default must not orphan a user's cache (a deliberate change updates
+    these and says so)."""
+    from diffpolicy.bc import bc_key
+    from diffpolicy.demos import demonstrations_key
+
+    cfg = compose(name, overrides)
+    assert (bc_key(cfg.env, cfg.policy, cfg.bc, cfg.seed), demonstrations_key(cfg.env, cfg.bc, cfg.seed)) == (
+        bc,
+        demos,
+    )
