@@ -273,7 +273,9 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
             raise ValueError(f"point_sampling={point_sampling!r} is not allowed; choose fps or random")
         self.point_sampling = point_sampling
         if point_box not in POINT_BOXES:
-            raise ValueError(f"point_box={point_box!r} is not allowed; choose one of {', '.join(POINT_BOXES)}")
+            raise ValueError(
+                f"point_box={point_box!r} is not allowed; choose one of {', '.join(POINT_BOXES)}"
+            )
         self.point_box = POINT_BOXES[point_box]
         if robot_mesh_cell < 0:
             raise ValueError(

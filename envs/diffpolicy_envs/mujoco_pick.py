@@ -361,6 +361,39 @@ def _asset_path(name: str) -> str:
     return str(resources.files("diffpolicy_envs") / "assets" / name)
 
 
+def _checked_arguments(
+    obs_mode: str, image_size: int, n_points: int, point_voxel: float, render_mode: str | None,
+    render_size: int, obs_every: int, action_mode: str, target_color: str | None,
+    reward_weights: dict[str, float] | None,
+) -> dict[str, float]:  # fmt: skip
+    """Check :class:`MujocoPickEnv`'s arguments (one clear error each); -> the reward weights, the defaults
+    updated by ``reward_weights``."""
+    if obs_mode not in OBS_MODES:
+        raise ValueError(f"obs_mode must be one of {OBS_MODES}, got {obs_mode!r}")
+    if int(image_size) != image_size or image_size < 1:
+        raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+    if int(n_points) != n_points or n_points < 1:
+        raise ValueError(f"n_points must be a positive integer, got {n_points!r}")
+    if not point_voxel > 0:
+        raise ValueError(f"point_voxel must be a positive length in m, got {point_voxel!r}")
+    if render_mode not in (None, "rgb_array"):
+        raise ValueError(f"render_mode must be None or 'rgb_array', got {render_mode!r}")
+    if int(render_size) != render_size or render_size < 1:
+        raise ValueError(f"render_size must be a positive integer, got {render_size!r}")
+    if int(obs_every) != obs_every or obs_every < 1:
+        raise ValueError(f"obs_every must be a positive integer, got {obs_every!r}")
+    if action_mode not in ACTION_MODES:
+        raise ValueError(f"action_mode must be one of {ACTION_MODES}, got {action_mode!r}")
+    if target_color is not None and target_color not in COLORS:
+        raise ValueError(f"target_color must be None or one of {COLORS}, got {target_color!r}")
+    weights = dict(DEFAULT_REWARD_WEIGHTS)
+    for name, value in (reward_weights or {}).items():
+        if name not in DEFAULT_REWARD_WEIGHTS:
+            raise ValueError(f"unknown reward term {name!r}; known: {tuple(DEFAULT_REWARD_WEIGHTS)}")
+        weights[name] = float(value)
+    return weights
+
+
 class MujocoPickEnv(CameraSchedule, gym.Env):
     """Language-conditioned pick-and-place with a 6-joint arm; see the module docstring for the spaces.
 
@@ -393,30 +426,10 @@ class MujocoPickEnv(CameraSchedule, gym.Env):
         reward_weights: dict[str, float] | None = None,
         action_mode: str = "pose",
     ) -> None:
-        if obs_mode not in OBS_MODES:
-            raise ValueError(f"obs_mode must be one of {OBS_MODES}, got {obs_mode!r}")
-        if int(image_size) != image_size or image_size < 1:
-            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
-        if int(n_points) != n_points or n_points < 1:
-            raise ValueError(f"n_points must be a positive integer, got {n_points!r}")
-        if not point_voxel > 0:
-            raise ValueError(f"point_voxel must be a positive length in m, got {point_voxel!r}")
-        if render_mode not in (None, "rgb_array"):
-            raise ValueError(f"render_mode must be None or 'rgb_array', got {render_mode!r}")
-        if int(render_size) != render_size or render_size < 1:
-            raise ValueError(f"render_size must be a positive integer, got {render_size!r}")
-        if int(obs_every) != obs_every or obs_every < 1:
-            raise ValueError(f"obs_every must be a positive integer, got {obs_every!r}")
-        if action_mode not in ACTION_MODES:
-            raise ValueError(f"action_mode must be one of {ACTION_MODES}, got {action_mode!r}")
-        if target_color is not None and target_color not in COLORS:
-            raise ValueError(f"target_color must be None or one of {COLORS}, got {target_color!r}")
-        weights = dict(DEFAULT_REWARD_WEIGHTS)
-        for name, value in (reward_weights or {}).items():
-            if name not in DEFAULT_REWARD_WEIGHTS:
-                raise ValueError(f"unknown reward term {name!r}; known: {tuple(DEFAULT_REWARD_WEIGHTS)}")
-            weights[name] = float(value)
-
+        weights = _checked_arguments(
+            obs_mode, image_size, n_points, point_voxel, render_mode, render_size, obs_every, action_mode,
+            target_color, reward_weights,
+        )  # fmt: skip
         self.obs_mode = obs_mode
         self.image_size = int(image_size)
         self.n_points = int(n_points)
@@ -430,6 +443,35 @@ class MujocoPickEnv(CameraSchedule, gym.Env):
 
         self.model = mujoco.MjModel.from_xml_path(_asset_path("pick.xml"))
         self.data = mujoco.MjData(self.model)
+        self._index_model()
+        self.observation_space = self._observation_space()
+        self.action_space = spaces.Box(-1.0, 1.0, (7,), np.float32)
+
+        # Episode state.
+        self.target_id = 0
+        self.instruction = ""
+        self.tray_pos = np.zeros(3)
+        self._place_goal = np.zeros(3)  # distance_improvement's goal while the cube is grasped
+        self.q_target = HOME_QPOS.copy()
+        self.episode_id = 0
+        self.elapsed_steps = 0
+        self._prev_action = np.zeros(7)
+        self._prev_ee = np.zeros(3)
+        self._prev_cube = np.zeros(3)
+        self._obs_age = 0
+        self._force_obs = False
+        self._reset_outcome()
+
+        # Rendering: one renderer for observations, created lazily (state mode never renders), one for videos.
+        self._renderer: mujoco.Renderer | None = None
+        self._video_renderer: mujoco.Renderer | None = None
+        self._rgb = np.zeros((self.image_size, self.image_size, 3), np.uint8)
+        self._depth = np.zeros((self.image_size, self.image_size), np.float32)
+        self._points = np.zeros((self.n_points, 6), np.float32)
+
+    def _index_model(self) -> None:
+        """Ids and addresses of the joints, bodies, geoms and sites the env reads, and the IK's scratch buffers
+        (a state-mode step costs little more than its physics only if nothing on the hot path allocates)."""
         m = self.model
         m.vis.global_.offwidth = max(m.vis.global_.offwidth, self.image_size, self.render_size)
         m.vis.global_.offheight = max(m.vis.global_.offheight, self.image_size, self.render_size)
@@ -460,40 +502,20 @@ class MujocoPickEnv(CameraSchedule, gym.Env):
         self._ik_y = np.zeros(6)
         self._ik_damping = IK_DAMPING**2 * np.eye(6)
 
+    def _observation_space(self) -> spaces.Dict:
+        """state (Ds,), and in multimodal mode rgb (H, W, 3) uint8, points (N, 6) within the crop box and the
+        instruction."""
         obs_spaces: dict[str, spaces.Space] = {
-            "state": spaces.Box(-np.inf, np.inf, (STATE_DIM[obs_mode],), np.float32),
+            "state": spaces.Box(-np.inf, np.inf, (STATE_DIM[self.obs_mode],), np.float32),
         }
-        if obs_mode == "multimodal":
+        if self.obs_mode == "multimodal":
             h = w = self.image_size
             obs_spaces["rgb"] = spaces.Box(0, 255, (h, w, 3), np.uint8)
             low = np.broadcast_to(np.r_[POINT_BOX_LOW, 0, 0, 0].astype(np.float32), (self.n_points, 6))
             high = np.broadcast_to(np.r_[POINT_BOX_HIGH, 1, 1, 1].astype(np.float32), (self.n_points, 6))
             obs_spaces["points"] = spaces.Box(low, high, (self.n_points, 6), np.float32)
             obs_spaces["instruction"] = spaces.Text(max_length=64, min_length=1, charset=CHARSET)
-        self.observation_space = spaces.Dict(obs_spaces)
-        self.action_space = spaces.Box(-1.0, 1.0, (7,), np.float32)
-
-        # Episode state.
-        self.target_id = 0
-        self.instruction = ""
-        self.tray_pos = np.zeros(3)
-        self._place_goal = np.zeros(3)  # distance_improvement's goal while the cube is grasped
-        self.q_target = HOME_QPOS.copy()
-        self.episode_id = 0
-        self.elapsed_steps = 0
-        self._prev_action = np.zeros(7)
-        self._prev_ee = np.zeros(3)
-        self._prev_cube = np.zeros(3)
-        self._obs_age = 0
-        self._force_obs = False
-        self._reset_outcome()
-
-        # Rendering: one renderer for observations, created lazily (state mode never renders), one for videos.
-        self._renderer: mujoco.Renderer | None = None
-        self._video_renderer: mujoco.Renderer | None = None
-        self._rgb = np.zeros((self.image_size, self.image_size, 3), np.uint8)
-        self._depth = np.zeros((self.image_size, self.image_size), np.float32)
-        self._points = np.zeros((self.n_points, 6), np.float32)
+        return spaces.Dict(obs_spaces)
 
     # ------------------------------------------------------------------------------------------ gym API
     def reset(
