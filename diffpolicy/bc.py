@@ -355,11 +355,13 @@ def behaviour_cloning(
                 raise ValueError(f"behaviour-cloning loss is {value} at step {step}; lower bc.lr")
             loss_sum += value
             window_loss, window_n = window_loss + value, window_n + 1
-            if window_n == LOG_EVERY or step == total:
+            if window_n == LOG_EVERY or step == total:  # the window's means; the auxiliary head's error in cm
                 scalars = {"losses/bc": window_loss / window_n, "train/lr": sched.get_last_lr()[0]}
-                if aux is not None:  # the auxiliary loss and how far the head places the named object
-                    scalars.update({"losses/target_aux": aux_sum / window_n,
-                                    "train/target_error_cm": 100 * aux_error_sum / window_n})  # fmt: skip
+                if aux is not None:
+                    scalars |= {
+                        "losses/target_aux": aux_sum / window_n,
+                        "train/target_error_cm": 100 * aux_error_sum / window_n,
+                    }
                 logger.log(scalars, step)
                 window_loss, window_n, aux_sum, aux_error_sum = 0.0, 0, 0.0, 0.0
         epoch_loss = loss_sum / max(1, n_batches)
@@ -374,17 +376,9 @@ def behaviour_cloning(
     final = save(step, epochs, epoch_loss)
     logger.log({"time/bc_s_per_step": train_s / max(1, step)}, step)
     policy = ema.module.eval()
-    metrics = {
-        "final_loss": epoch_loss,
-        "epochs": epochs,
-        "steps": step,
-        "s_per_step": round(train_s / max(1, step), 4),
-        "n_windows": len(data),
-        "n_episodes": data.n_episodes,
-        "checkpoint": str(final),
-        "condition_gap": round(gap, 3),
-        "wall_time_s": round(time.perf_counter() - t0, 2),
-    }
+    metrics = {"final_loss": epoch_loss, "epochs": epochs, "steps": step, "s_per_step": round(train_s / max(1, step), 4),
+               "n_windows": len(data), "n_episodes": data.n_episodes, "checkpoint": str(final),
+               "condition_gap": round(gap, 3), "wall_time_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
     return policy, metrics
 
 

@@ -132,10 +132,8 @@ def ppo_update(
             average_gradients(params, info)
             learner.scaler.unscale_(learner.actor_optim)
             learner.scaler.unscale_(learner.critic_optim)
-            if not nan_guard(loss, params, logger=logger, step=step):
+            if not nan_guard(loss, params, logger=logger, step=step):  # skipped: the last good state back
                 snapshot.restore(step=step)
-                learner.actor_optim.zero_grad(set_to_none=True)
-                learner.critic_optim.zero_grad(set_to_none=True)
                 learner.scaler.update()
                 skipped += 1
                 continue
@@ -152,26 +150,15 @@ def ppo_update(
                     info,
                     runtime.device,
                 )
-                if not kl_after <= KL_STEP_FACTOR * cfg.target_kl:  # a non-finite KL is undone too
-                    snapshot.restore(step=step)
-                    kl_stops += 1
-                    if logger is not None:
-                        msg = f"step undone: approx KL {kl_after:.3g} > {KL_STEP_FACTOR} x target_kl"
-                        logger.event("kl_stop", msg, step, approx_kl=kl_after)
+                kl_stops += _undo_past_bound(kl_after, cfg.target_kl, snapshot, logger, step)
             if not kl_stops:
                 snapshot.capture()
             kl = float(stats["approx_kl"])
             epochs.record(kl)
-            for name, value in (
-                ("losses/policy", float(pg.detach())),
-                ("losses/value", float(v_loss.detach())),
-                ("losses/regularizer", float(reg.detach())),
-                ("losses/approx_kl", kl),
-                ("losses/clipfrac", float(stats["clipfrac"])),
-                ("losses/ratio_max", float(stats["ratio_max"])),
-                ("losses/grad_norm", float(norm)),
-            ):
-                sums[name] += value
+            for name, value in (("policy", pg), ("value", v_loss), ("regularizer", reg), ("approx_kl", kl),
+                                ("clipfrac", stats["clipfrac"]), ("ratio_max", stats["ratio_max"]),
+                                ("grad_norm", norm)):  # fmt: skip
+                sums[f"losses/{name}"] += float(value)
             count += 1
             if kl_stops:
                 break
@@ -185,6 +172,20 @@ def ppo_update(
     out["losses/kl_stops"] = float(kl_stops)
     out["stability/skipped_updates"] = float(skipped)
     return out
+
+
+def _undo_past_bound(
+    kl_after: float, target_kl: float, snapshot: StateSnapshot, logger: Any, step: int
+) -> int:
+    """1 (and the step undone from the snapshot, logged as ``kl_stop``) when the KL the step itself caused,
+    the ranks' mean, passes :data:`KL_STEP_FACTOR` x ``target_kl`` (a non-finite KL too); else 0."""
+    if kl_after <= KL_STEP_FACTOR * target_kl:
+        return 0
+    snapshot.restore(step=step)
+    if logger is not None:
+        msg = f"step undone: approx KL {kl_after:.3g} > {KL_STEP_FACTOR} x target_kl"
+        logger.event("kl_stop", msg, step, approx_kl=kl_after)
+    return 1
 
 
 def _minibatch_loss(
