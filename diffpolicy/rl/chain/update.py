@@ -158,7 +158,7 @@ def ppo_update(
             for name, value in (("policy", pg), ("value", v_loss), ("regularizer", reg), ("approx_kl", kl),
                                 ("clipfrac", stats["clipfrac"]), ("ratio_max", stats["ratio_max"]),
                                 ("grad_norm", norm)):  # fmt: skip
-                sums[f"losses/{name}"] += float(value)
+                sums[f"losses/{name}"] += float(value.detach() if torch.is_tensor(value) else value)
             count += 1
             if kl_stops:
                 break
