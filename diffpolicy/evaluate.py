@@ -6,7 +6,7 @@ the seeds ``train`` reports its figure on) or ``val`` (100 000 + i: the seeds ev
 demonstrations use seeds from 0), records ``video_episodes`` episodes to ``eval.mp4`` and, when the checkpoint's run directory holds
 a ``metrics.jsonl``, plots its training curve into the run directory. The policy samples under the protocol
 its checkpoint records (``train`` writes the one its figure was reported under; ``protocol=noise_free |
-exploration | dppo`` or ``deterministic=true|false`` override it; :data:`diffpolicy.policy_io.PROTOCOLS`), so
+exploration | dppo`` or ``deterministic=true|false`` override it; :data:`diffpolicy.config.PROTOCOLS`), so
 evaluate says what train said. Prints one
 JSON line last:
 ``{"success_rate", "success_ci", "failures", "n_episodes", "mean_return", ...}`` (``failures``: reason ->

@@ -26,7 +26,14 @@ import torch
 
 from diffpolicy import checkpoint
 from diffpolicy.checkpoint import Checkpoint, CheckpointError
-from diffpolicy.config import ENV_FIELDS_ADDED, ENV_RUNTIME_FIELDS, EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.config import (
+    ENV_FIELDS_ADDED,
+    ENV_RUNTIME_FIELDS,
+    PROTOCOLS,
+    EncoderConfig,
+    EnvConfig,
+    PolicyConfig,
+)
 
 POLICY_FIELDS_ADDED = ("ft_fraction", "denoiser", "mlp_dims", "unexecuted_weight")
 """PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults (and at
@@ -36,15 +43,6 @@ POLICY_FIELDS_LEGACY: dict[str, Any] = {"unexecuted_weight": 1.0}
 them behaved: such a checkpoint gets this value, and at this value the field stays out of the BC cache key."""
 ENCODER_FIELDS_ADDED = ("blank_text", "fusion")
 """EncoderConfig fields newer than some checkpoints, treated as :data:`POLICY_FIELDS_ADDED` are."""
-
-
-PROTOCOLS = {"noise_free": True, "exploration": False, "dppo": False}
-"""Evaluation protocols -> whether every DDIM step takes its mean. ``noise_free``: every step's mean (under the
-policy's own eta; what ``train`` reports for residual and filtered_bc); ``exploration``: the stochastic chain
-the rollouts sample (eta, the ``policy.min_std`` floor); ``dppo``: DPPO's deterministic evaluation, each step
-drawn with its own eta-scaled std floored at 1e-3 and none at the last step, no exploration floor
-(:meth:`diffpolicy.diffusion.schedule.NoiseSchedule.with_natural_std`). A checkpoint carries the one its
-figure was reported under (``extra["protocol"]``)."""
 
 
 def sampling_protocol(

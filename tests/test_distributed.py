@@ -89,7 +89,9 @@ def test_kl_early_stop_is_decided_on_every_rank_alike(tmp_path: Path) -> None:
     assert [(tmp_path / f"epochs_rank{r}.txt").read_text() for r in (0, 1)] == ["1 True", "1 True"]
 
 
-def test_one_ppo_iteration_on_two_ranks_leaves_identical_parameters(tmp_path: Path) -> None:
+def _train_on_two_ranks(tmp_path: Path, *extra: str) -> tuple[dict, dict]:
+    """One tiny fine-tuning iteration (``tests/dist_train_worker.py``) on two gloo ranks from the same
+    untrained checkpoint (``tmp_path/init``) with the overrides ``extra``; -> each rank's parameters after it."""
     from test_train import TINY_POLICY, TINY_RUN
 
     from diffpolicy.cli import compose
@@ -103,12 +105,16 @@ def test_one_ppo_iteration_on_two_ranks_leaves_identical_parameters(tmp_path: Pa
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0"]
     cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
-    cmd += [str(WORKER.with_name("dist_train_worker.py")), str(tmp_path), str(tmp_path / "init")]
+    cmd += [str(WORKER.with_name("dist_train_worker.py")), str(tmp_path), str(tmp_path / "init"), *extra]
     run = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = (load_file(str(tmp_path / f"params_rank{r}.safetensors")) for r in (0, 1))
+    return tuple(load_file(str(tmp_path / f"params_rank{r}.safetensors")) for r in (0, 1))
+
+
+def test_one_ppo_iteration_on_two_ranks_leaves_identical_parameters(tmp_path: Path) -> None:
+    r0, r1 = _train_on_two_ranks(tmp_path)
     assert r0.keys() == r1.keys()
     for key in r0:
         assert torch.equal(r0[key], r1[key]), key
@@ -123,27 +129,9 @@ def test_one_ppo_iteration_on_two_ranks_leaves_identical_parameters(tmp_path: Pa
 def test_fpo_iteration_on_two_ranks_leaves_identical_parameters(tmp_path: Path) -> None:
     """FPO's epochs stop on the KL averaged over ranks (``rl.epochs.KLEpochs``), so both ranks run the same
     steps and end with the same weights (a stop on a rank's own KL could strand the other in an all-reduce)."""
-    from test_train import TINY_POLICY, TINY_RUN
-
-    from diffpolicy.cli import compose
-    from diffpolicy.policy_io import build_policy, env_spec, save_policy
-
-    cfg = compose("train", [*TINY_RUN, *TINY_POLICY])
-    spec, da = env_spec(cfg.env)
-    torch.manual_seed(0)
-    save_policy(
-        tmp_path / "init", 0, build_policy(cfg.policy, spec, da), env_cfg=cfg.env, policy_cfg=cfg.policy
-    )
     extra = ["algo=fpo", "algo.n_steps=6", "algo.minibatch_size=4", "algo.update_epochs=3", "algo.lr=1e-3"]
     extra += ["algo.target_kl=1e-4", "algo.mc_draws=2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0"]
-    cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
-    cmd += [str(WORKER.with_name("dist_train_worker.py")), str(tmp_path), str(tmp_path / "init"), *extra]
-    run = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = (load_file(str(tmp_path / f"params_rank{r}.safetensors")) for r in (0, 1))
+    r0, r1 = _train_on_two_ranks(tmp_path, *extra)
     for key in r0:
         assert torch.equal(r0[key], r1[key]), key
     from diffpolicy import checkpoint
@@ -154,27 +142,9 @@ def test_fpo_iteration_on_two_ranks_leaves_identical_parameters(tmp_path: Path) 
 
 def test_residual_iteration_on_two_ranks_leaves_identical_heads(tmp_path: Path) -> None:
     """The evidence, the step it earns and the trust region agree across ranks (each measures its own batch)."""
-    from test_train import TINY_POLICY, TINY_RUN
-
-    from diffpolicy.cli import compose
-    from diffpolicy.policy_io import build_policy, env_spec, save_policy
-
-    cfg = compose("train", [*TINY_RUN, *TINY_POLICY])
-    spec, da = env_spec(cfg.env)
-    torch.manual_seed(0)
-    save_policy(
-        tmp_path / "init", 0, build_policy(cfg.policy, spec, da), env_cfg=cfg.env, policy_cfg=cfg.policy
-    )
     extra = ["algo=residual", "algo.n_steps=12", "algo.minibatch_size=12", "algo.residual_hidden=[16,16]"]
     extra += ["algo.signal_margin=1e-6"]  # any evidence earns a step: the trust-region path runs
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0"]
-    cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
-    cmd += [str(WORKER.with_name("dist_train_worker.py")), str(tmp_path), str(tmp_path / "init"), *extra]
-    run = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = (load_file(str(tmp_path / f"params_rank{r}.safetensors")) for r in (0, 1))
+    r0, r1 = _train_on_two_ranks(tmp_path, *extra)
     for key in r0:
         assert torch.equal(r0[key], r1[key]), key
     last = [k for k in r0 if k.startswith("policy.head.mean_net.") and k.endswith(".weight")][-1]

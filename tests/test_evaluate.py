@@ -45,9 +45,7 @@ def _has_ffmpeg() -> bool:
 def run(tmp_path_factory):
     """A run directory with a metrics.jsonl and a checkpoint root, like pretrain/train leave behind."""
     run_dir = tmp_path_factory.mktemp("run")
-    torch.manual_seed(0)
-    policy = build_policy(SMALL, {"state": [6]}, 2, text_backend="hash")
-    policy.fit_normalizers(actions=torch.rand(20, 2) * 2 - 1, state=torch.randn(20, 6))
+    policy = _small_policy()
     with Logger(run_dir, tensorboard=False, progress=False) as log:
         for step in range(1, 30):
             log.log({"losses/bc": 1.0 / step, "train/lr": 1e-3}, step)
@@ -55,17 +53,31 @@ def run(tmp_path_factory):
     return run_dir
 
 
-def test_evaluate_main_uses_shared_act(run, tmp_path, monkeypatch):
-    from diffpolicy import evaluate
-
-    calls = []
+@pytest.fixture
+def act_calls(monkeypatch) -> list[bool]:
+    """The ``deterministic`` flag of every evaluation call of ``act``, in order (the real act still runs)."""
+    calls: list[bool] = []
     real_act = evaluation.act
 
-    def counting_act(policy, obs, **kwargs):
+    def recording_act(policy, obs, **kwargs):
         calls.append(kwargs.get("deterministic", False))
         return real_act(policy, obs, **kwargs)
 
-    monkeypatch.setattr(evaluation, "act", counting_act)
+    monkeypatch.setattr(evaluation, "act", recording_act)
+    return calls
+
+
+def _small_policy():
+    torch.manual_seed(0)
+    policy = build_policy(SMALL, {"state": [6]}, 2, text_backend="hash")
+    policy.fit_normalizers(actions=torch.rand(20, 2) * 2 - 1, state=torch.randn(20, 6))
+    return policy
+
+
+def test_evaluate_main_uses_shared_act(run, tmp_path, act_calls):
+    from diffpolicy import evaluate
+
+    calls = act_calls
     cfg = EvaluateConfig(checkpoint=str(run / "checkpoints"), n_episodes=3, num_envs=2, video_episodes=1)
     summary = evaluate.main(cfg, tmp_path)
     assert {"success_rate", "n_episodes", "mean_return"} <= set(summary)
@@ -121,24 +133,15 @@ def test_a_protocol_the_code_does_not_know_is_one_clear_error():
         sampling_protocol(SimpleNamespace(extra={"protocol": "ddpm"}, path="ck"), None)
 
 
-def test_evaluate_says_what_train_said(tmp_path, monkeypatch):
+def test_evaluate_says_what_train_said(tmp_path, monkeypatch, act_calls):
     """A checkpoint that records ``noise_free`` (train's filtered_bc figure) is evaluated noise-free by
     default, and the summary names the protocol and where it came from; ``deterministic=false`` overrides."""
     from diffpolicy import evaluate
 
-    torch.manual_seed(0)
-    policy = build_policy(SMALL, {"state": [6]}, 2, text_backend="hash")
-    policy.fit_normalizers(actions=torch.rand(20, 2) * 2 - 1, state=torch.randn(20, 6))
+    policy = _small_policy()
     root = tmp_path / "checkpoints"
     save_policy(root, 5, policy, env_cfg=REACH, policy_cfg=SMALL, extra={"protocol": "noise_free"})
-    calls = []
-    real_act = evaluation.act
-
-    def recording_act(policy, obs, **kwargs):
-        calls.append(kwargs.get("deterministic", False))
-        return real_act(policy, obs, **kwargs)
-
-    monkeypatch.setattr(evaluation, "act", recording_act)
+    calls = act_calls
     cfg = EvaluateConfig(checkpoint=str(root), n_episodes=2, num_envs=2, video_episodes=0)
     summary = evaluate.main(cfg, tmp_path / "a")
     assert (summary["protocol"], summary["protocol_from"]) == ("noise_free", "checkpoint")

@@ -49,6 +49,14 @@ def _unit(name: str, value: float, *, open_low: bool = False) -> None:
         raise ValueError(f"{name}={value!r} is out of range; it must lie in {low}, 1]")
 
 
+PROTOCOLS = {"noise_free": True, "exploration": False, "dppo": False}
+"""Evaluation protocols -> whether every DDIM step takes its mean. ``noise_free``: every step's mean (under the
+policy's own eta; what ``train`` reports for residual and filtered_bc); ``exploration``: the stochastic chain
+the rollouts sample (eta, the ``policy.min_std`` floor); ``dppo``: DPPO's deterministic evaluation, each step
+drawn with its own eta-scaled std floored at 1e-3 and none at the last step, no exploration floor
+(:meth:`diffpolicy.diffusion.schedule.NoiseSchedule.with_natural_std`). A checkpoint carries the one its
+figure was reported under (``extra["protocol"]``)."""
+
 ENV_RUNTIME_FIELDS = ("num_envs", "vectorization", "workers")
 """EnvConfig fields that say how environments run, not what they hold: left out of the demonstration cache
 key, and given their defaults when a checkpoint written before they existed lacks them."""

@@ -10,6 +10,7 @@ from typing import Any
 from diffpolicy.config.common import (
     ENV_DEFAULTS,
     OBS_MODE_DEFAULTS,
+    PROTOCOLS,
     TEST_SEED,
     VAL_SEED,
     _choice,
@@ -207,7 +208,7 @@ class EvaluateConfig:
     written by ``train``; exploration for a checkpoint that records none). The summary names it."""
     protocol: str = ""
     """A named evaluation protocol, ``noise_free`` | ``exploration`` | ``dppo`` (DPPO's deterministic: each
-    step's own std floored at 1e-3, none at the last; :data:`diffpolicy.policy_io.PROTOCOLS`); '' defers to
+    step's own std floored at 1e-3, none at the last; :data:`PROTOCOLS`); '' defers to
     ``deterministic``, then to the checkpoint."""
     reachability_tries: int = 0
     """Exploratory episodes per failed held-out scene for the reachability measurement (0 skips it)."""
@@ -223,7 +224,7 @@ class EvaluateConfig:
         if not self.checkpoint:
             raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
         _choice("split", self.split, ("test", "val"))
-        _choice("protocol", self.protocol, ("", "noise_free", "exploration", "dppo"))
+        _choice("protocol", self.protocol, ("", *PROTOCOLS))
         if self.eval_seed is None:
             self.eval_seed = TEST_SEED if self.split == "test" else VAL_SEED
         _positive("eval_seed", self.eval_seed, allow_zero=True)
