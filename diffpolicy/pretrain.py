@@ -25,7 +25,7 @@ from diffpolicy.logger import Logger
 # -------------------------------------------------------------------------------------------- entry point
 def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
     """Behaviour cloning for ``cfg``; returns the summary printed as the last stdout line."""
-    from diffpolicy.evaluation import held_out
+    from diffpolicy.evaluation import held_out, protocol_of
     from diffpolicy.plots import plot_curve
 
     t0 = time.perf_counter()
@@ -35,9 +35,12 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
         demos, made = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir, logger.progress)
         summary["demos_imported" if cfg.bc.demos else "demos_collected"] = made
         summary["demos"] = str(demos)
+        # the run's checkpoints carry the protocol its figures are judged under, so evaluate says the same
         policy, metrics = behaviour_cloning(
-            cfg.env, cfg.policy, cfg.bc, demos, runtime, logger, run_dir, cfg.seed
-        )
+            cfg.env, cfg.policy, cfg.bc, demos, runtime, logger, run_dir, cfg.seed,
+            extra={"protocol": protocol_of(cfg)},
+        )  # fmt: skip
+        summary["protocol"] = protocol_of(cfg)
         # the settings `diffpolicy.train` would pre-train with: share the result
         key = bc_key(cfg.env, cfg.policy, cfg.bc, cfg.seed)
         summary["cached"] = str(

@@ -313,6 +313,9 @@ def test_pretrain_cli(tmp_path):
     assert summary["epochs"] == 2 and summary["demos_collected"] is True
     assert (tmp_path / "run" / "bc_loss.png").stat().st_size > 1000
     assert checkpoint.exists(summary["checkpoint"]) and checkpoint.exists(summary["cached"])
+    # pretrain's default learner (filtered_bc) judges noise-free; its checkpoints say so, for evaluate
+    assert summary["protocol"] == "noise_free"
+    assert checkpoint.load(summary["checkpoint"]).extra["protocol"] == "noise_free"
 
 
 def test_bimodal_benchmark_wiring(tmp_path):
