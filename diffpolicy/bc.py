@@ -46,9 +46,9 @@ BC_FIELDS = {"bc_epochs": "epochs", "bc_batch_size": "batch_size", "bc_lr": "lr"
 BC_FIELDS_ADDED = ("noise_draws", "target_aux_weight", "steps", "translate", "translate_state")
 """BCConfig fields that change a BC result but entered the cache key later: keyed only when not at their
 defaults, so caches written before them stay valid."""
-POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing", "ft_steps", "ft_fraction", "eta", "min_std")
-"""PolicyConfig fields that do not change a BC result (left out of the cache key); the sampling ones are set
-on the loaded policy by :func:`diffpolicy.train.initial_policy` (``DiffusionPolicy.set_sampling``)."""
+POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing")
+"""PolicyConfig fields that do not change a BC result (left out of the cache key). How chains are sampled
+(K', eta, the std floor) is not a policy field at all: the learner sets it on the loaded policy."""
 LOG_EVERY = 10
 """Optimiser steps per logged ``losses/bc`` point (the mean over those steps)."""
 PROBE_WINDOWS = 64
@@ -262,6 +262,61 @@ def save_bc(
     )
 
 
+def bc_optimiser(
+    policy: torch.nn.Module, aux: torch.nn.Module | None, bc_cfg: BCConfig, total: int
+) -> tuple[list[torch.Tensor], torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The trained parameters (the policy's, then the auxiliary head's), AdamW over them and its schedule:
+    a linear warm-up over 5 % of the ``total`` steps (at most 500), then a cosine decay."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    params += list(aux.parameters()) if aux is not None else []
+    optim = torch.optim.AdamW(params, lr=bc_cfg.lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
+    warmup = max(1, min(500, total // 20))
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
+    return params, optim, sched
+
+
+class LossWindow:
+    """Means over the last steps (up to :data:`LOG_EVERY`) of the BC loss and, with the auxiliary target
+    head, of its loss and its error (logged in cm)."""
+
+    def __init__(self) -> None:
+        self.n, self.loss, self.aux, self.aux_error = 0, 0.0, 0.0, 0.0
+        self.with_aux = False
+
+    def add(self, loss: float, aux_loss: torch.Tensor | None = None, aux_error: Any = None) -> None:
+        """One step's BC loss (and the auxiliary head's loss and error when it exists)."""
+        self.n, self.loss = self.n + 1, self.loss + loss
+        if aux_loss is not None:
+            self.with_aux = True
+            self.aux += float(aux_loss.detach())
+            self.aux_error += float(aux_error)
+
+    def flush(self, logger: Logger, step: int, lr: float) -> None:
+        """Log the window's means as ``losses/bc`` (``losses/target_aux``, ``train/target_error_cm``) and
+        ``train/lr`` at ``step``, and start a new window."""
+        scalars = {"losses/bc": self.loss / self.n, "train/lr": lr}
+        if self.with_aux:
+            scalars |= {
+                "losses/target_aux": self.aux / self.n,
+                "train/target_error_cm": 100 * self.aux_error / self.n,
+            }
+        logger.log(scalars, step)
+        self.__init__()
+
+
+def log_epoch(
+    logger: Logger, step: int, epoch: int, loss: float, ema_policy: Any, probe: tuple, seed: int
+) -> float:
+    """Log an epoch's mean loss and, for a diffusion policy, :func:`condition_gap` of the EMA weights on the
+    fixed ``probe`` windows (returned; NaN for the Gaussian baseline, which has no denoiser)."""
+    scalars = {"losses/bc_epoch": loss, "train/epoch": epoch}
+    gap = float("nan")
+    if hasattr(ema_policy, "denoiser"):
+        gap = scalars["train/condition_gap"] = condition_gap(ema_policy, *probe, seed=seed)
+    logger.log(scalars, step)
+    return gap
+
+
 def behaviour_cloning(
     env_cfg: EnvConfig,
     policy_cfg: PolicyConfig,
@@ -311,12 +366,8 @@ def behaviour_cloning(
     if bc_cfg.translate > 0 and "points" not in data.obs_spec:
         raise ValueError("bc.translate shifts point clouds, and these demonstrations observe none")
     aux = target_head(data, policy_cfg, bc_cfg, device)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    params += list(aux.parameters()) if aux is not None else []
-    optim = torch.optim.AdamW(params, lr=bc_cfg.lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
     batch_size, per_epoch, total, epochs = bc_budget(len(data), bc_cfg)
-    warmup = max(1, min(500, total // 20))
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
+    params, optim, sched = bc_optimiser(policy, aux, bc_cfg, total)
     scaler = runtime.grad_scaler()
     gen = torch.Generator().manual_seed(seed)
     ckpt_root = Path(run_dir) / "checkpoints"
@@ -329,8 +380,7 @@ def behaviour_cloning(
 
     probe_idx = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:PROBE_WINDOWS]
     probe = data.batch(probe_idx, device)  # fixed windows for condition_gap
-    step, epoch_loss, window_loss, window_n, gap = 0, float("nan"), 0.0, 0, float("nan")
-    aux_sum, aux_error_sum = 0.0, 0.0
+    step, epoch_loss, gap, window = 0, float("nan"), float("nan"), LossWindow()
     t_train = time.perf_counter()
     bar = iter(logger.progress(range(total), total=total, desc="bc"))
     for epoch in range(1, epochs + 1):
@@ -343,9 +393,6 @@ def behaviour_cloning(
             with runtime.autocast():
                 loss, aux_loss, aux_error = bc_losses(policy, aux, obs, actions, target, bc_cfg)
                 total_loss = loss if aux is None else loss + bc_cfg.target_aux_weight * aux_loss
-            if aux is not None:
-                aux_sum += float(aux_loss.detach())
-                aux_error_sum += float(aux_error)
             optimiser_step(total_loss, params, optim, scaler, bc_cfg.max_grad_norm)
             sched.step()
             ema.update(policy)
@@ -354,21 +401,11 @@ def behaviour_cloning(
             if not math.isfinite(value):
                 raise ValueError(f"behaviour-cloning loss is {value} at step {step}; lower bc.lr")
             loss_sum += value
-            window_loss, window_n = window_loss + value, window_n + 1
-            if window_n == LOG_EVERY or step == total:  # the window's means; the auxiliary head's error in cm
-                scalars = {"losses/bc": window_loss / window_n, "train/lr": sched.get_last_lr()[0]}
-                if aux is not None:
-                    scalars |= {
-                        "losses/target_aux": aux_sum / window_n,
-                        "train/target_error_cm": 100 * aux_error_sum / window_n,
-                    }
-                logger.log(scalars, step)
-                window_loss, window_n, aux_sum, aux_error_sum = 0.0, 0, 0.0, 0.0
+            window.add(value, *((aux_loss, aux_error) if aux is not None else ()))
+            if window.n == LOG_EVERY or step == total:
+                window.flush(logger, step, sched.get_last_lr()[0])
         epoch_loss = loss_sum / max(1, n_batches)
-        scalars = {"losses/bc_epoch": epoch_loss, "train/epoch": epoch}
-        if hasattr(ema.module, "denoiser"):  # diffusion policies (the Gaussian baseline has no denoiser)
-            gap = scalars["train/condition_gap"] = condition_gap(ema.module, *probe, seed=seed)
-        logger.log(scalars, step)
+        gap = log_epoch(logger, step, epoch, epoch_loss, ema.module, probe, seed)
         if epoch % ckpt_every == 0 and epoch < epochs:
             save(step, epoch, epoch_loss)
     next(bar, None)  # close the progress bar

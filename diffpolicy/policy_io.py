@@ -35,12 +35,15 @@ from diffpolicy.config import (
     PolicyConfig,
 )
 
-POLICY_FIELDS_ADDED = ("ft_fraction", "denoiser", "mlp_dims", "unexecuted_weight")
+POLICY_FIELDS_ADDED = ("denoiser", "mlp_dims", "unexecuted_weight")
 """PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults (and at
 their defaults they stay out of the BC cache key, :func:`diffpolicy.bc.bc_key`, so older caches stay valid)."""
 POLICY_FIELDS_LEGACY: dict[str, Any] = {"unexecuted_weight": 1.0}
 """Fields of :data:`POLICY_FIELDS_ADDED` whose derived value can differ from how checkpoints written before
 them behaved: such a checkpoint gets this value, and at this value the field stays out of the BC cache key."""
+POLICY_FIELDS_MOVED = ("ft_steps", "ft_fraction", "min_std", "eta")
+"""PolicyConfig fields that moved to the sampling learner's config (``algo.*``, :class:`SamplingConfig`): a
+checkpoint written before records them in ``config["policy"]``; they are read from there as its sampling."""
 ENCODER_FIELDS_ADDED = ("blank_text", "fusion")
 """EncoderConfig fields newer than some checkpoints, treated as :data:`POLICY_FIELDS_ADDED` are."""
 
@@ -117,7 +120,11 @@ def save_policy(
         root,
         step,
         {"policy": policy.state_dict(), **extra_state},
-        config={"env": asdict(env_cfg), "policy": asdict(policy_cfg)},
+        config={
+            "env": asdict(env_cfg),
+            "policy": asdict(policy_cfg),
+            **({"sampling": dict(policy.sampling)} if hasattr(policy, "sampling") else {}),
+        },
         metrics=metrics,
         extra={
             "obs_spec": spec,
@@ -219,6 +226,7 @@ def policy_config_from(ckpt: Checkpoint, *, allow_missing: bool = False) -> Poli
     raw = ckpt.config["policy"]
     if isinstance(raw, dict):
         raw = {**{k: v for k, v in POLICY_FIELDS_LEGACY.items() if k not in raw}, **raw}
+        raw = {k: v for k, v in raw.items() if k not in POLICY_FIELDS_MOVED}
     return _dataclass_from(
         PolicyConfig,
         raw,
@@ -282,6 +290,22 @@ def load_policy(
     return policy_from(ckpt, policy_cfg, device, text_backend=text_backend), env_cfg, ckpt
 
 
+def sampling_of(ckpt: Checkpoint) -> dict[str, Any]:
+    """How the checkpoint's policy sampled its chains (K', eta, std floor): ``config["sampling"]``, or, in a
+    checkpoint written before the learner owned them, the :data:`POLICY_FIELDS_MOVED` of ``config["policy"]``;
+    {} when neither records them (the policy's own defaults then hold)."""
+    if isinstance(ckpt.config.get("sampling"), dict):
+        raw = ckpt.config["sampling"]
+    else:
+        raw = ckpt.config.get("policy") if isinstance(ckpt.config.get("policy"), dict) else {}
+    if not all(k in raw for k in ("ft_steps", "eta", "min_std")):
+        return {}
+    try:
+        return {"ft_steps": int(raw["ft_steps"]), "eta": float(raw["eta"]), "min_std": float(raw["min_std"])}
+    except (TypeError, ValueError):
+        raise CheckpointError(f"checkpoint {ckpt.path}: its sampling {raw} is not K', eta, min_std") from None
+
+
 def policy_from(
     ckpt: Checkpoint,
     policy_cfg: PolicyConfig,
@@ -300,12 +324,15 @@ def policy_from(
     backend = text_backend or str(ckpt.extra.get("text_backend", "minilm"))
     policy = build_policy(policy_cfg, spec, int(ckpt.extra["action_dim"]), text_backend=backend)
     checkpoint.load_state(policy, ckpt.state["policy"], name="policy")
+    sampling = sampling_of(ckpt)
+    if sampling and hasattr(policy, "set_sampling"):
+        policy.set_sampling(**sampling, freeze=False)
     if "base_denoiser" in ckpt.state and hasattr(policy, "freeze_base"):  # K' < K: the frozen early steps
         policy.freeze_base()
         if policy.base_denoiser is None:
             raise CheckpointError(f"checkpoint {ckpt.path} holds a base denoiser but its policy has K' = K")
         checkpoint.load_state(policy.base_denoiser, ckpt.state["base_denoiser"], name="base_denoiser")
-    if "residual" in ckpt.state:  # base + residual (algo.head=residual): the head rides beside the base
+    if "residual" in ckpt.state:  # base + residual (algo=residual): the head rides beside the base
         policy = residual_from(ckpt, policy)
     return policy.to(device).eval()
 

@@ -27,7 +27,7 @@ import torch
 
 from diffpolicy import checkpoint
 from diffpolicy.cli import launch
-from diffpolicy.config import TrainConfig
+from diffpolicy.config import SamplingConfig, TrainConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import (
     DistInfo,
@@ -96,9 +96,11 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
             what="demonstration collection and behaviour cloning",
         )
     policy, _, _ = load_policy(path, rt.device)
-    if hasattr(policy, "set_sampling"):  # this run's K', eta and std floor, whatever the checkpoint used
-        p = cfg.policy
-        policy.set_sampling(ft_steps=p.ft_steps, eta=p.eta, min_std=p.min_std)
+    if isinstance(
+        cfg.algo, SamplingConfig
+    ):  # the learner's K', eta and std floor, whatever the checkpoint used
+        a = cfg.algo
+        policy.set_sampling(ft_steps=a.ft_steps, eta=a.eta, min_std=a.min_std)
     policy.sampler_backend = "compiled" if cfg.policy.compile else "auto"
     policy.set_freeze_encoders(
         cfg.policy.freeze_encoders or not getattr(cfg.algo, "finetune_encoders", False)
@@ -153,7 +155,7 @@ class Progress:
 def fine_tune(
     cfg: TrainConfig, run_dir: Path, rt: Runtime, info: DistInfo, logger: Logger, start: float
 ) -> tuple[dict | None, Learner]:
-    """BC evaluation, iterations of the learner ``cfg.algo.head`` (chain, residual, fpo, filtered_bc), evaluation;
+    """BC evaluation, iterations of the learner ``algo=`` chose (chain, residual, fpo, filtered_bc), evaluation;
     -> (summary, learner)."""
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
     policy, init_path = initial_policy(cfg, rt, info, run_dir)
@@ -360,7 +362,7 @@ def summarize(
         if goal
         else None,
         "drops": after.drops(),  # the fine-tuned policy's drops by how the grasp was lost
-        "head": cfg.algo.head,
+        "learner": cfg.algo.learner,
         "env_steps": progress.env_steps,
         "guard_env_steps": progress.guard_steps,  # the rollback guard's validation episodes
         "env_sps": round(progress.steps_timed / progress.seconds, 1) if progress.seconds > 0 else None,

@@ -23,7 +23,8 @@ from test_train import TINY_POLICY, TINY_RUN
 
 
 def main(out: Path, init: str, *extra: str) -> None:
-    overrides = [*TINY_RUN, *TINY_POLICY, f"policy.init={init}", "algo.iterations=1", "dist=ddp"]
+    run = [a for a in TINY_RUN if not ("algo=residual" in extra and a.startswith("algo.ft_steps"))]
+    overrides = [*run, *TINY_POLICY, f"policy.init={init}", "algo.iterations=1", "dist=ddp"]
     overrides += ["eval_episodes=2", "dist.timeout_s=120", *extra]
     cfg = compose("train", overrides)
     apply_visible_devices(cfg.dist, cfg.device.type)

@@ -33,9 +33,12 @@ ENC = EncoderConfig(state_hidden=16, token_dim=16, fusion_heads=2)
 
 def make(seed: int = 0, **kw) -> DiffusionPolicy:
     base = dict(encoder=ENC, cond_dim=16, down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=TA,
-                n_action_steps=TE, train_timesteps=50, ddim_steps=K, ft_steps=K, min_std=0.05, eta=1.0)  # fmt: skip
+                n_action_steps=TE, train_timesteps=50, ddim_steps=K)  # fmt: skip
+    ft_steps = kw.pop("ft_steps", K)
     torch.manual_seed(seed)
-    return make_policy(PolicyConfig(**{**base, **kw}), {"state": (5,)}, DA, text_backend="hash")
+    policy = make_policy(PolicyConfig(**{**base, **kw}), {"state": (5,)}, DA, text_backend="hash")
+    policy.set_sampling(ft_steps=ft_steps, eta=1.0, min_std=0.05, freeze=False)
+    return policy
 
 
 def obs(b: int = B) -> dict:
@@ -285,10 +288,10 @@ def test_dppo_entry_composes_with_its_policy_settings() -> None:
                 logprob_clamp=[-5.0, 2.0], noise_clip=3.0, update_epochs=10, lr=1e-5, critic_lr=1e-3,
                 gamma=0.999, gae_lambda=0.95, denoise_gamma=0.99, target_kl=1.0, critic_warmup=2)  # fmt: skip
     assert {k: getattr(cfg.algo, k) for k in want} == want
-    assert (cfg.policy.ft_steps, cfg.policy.ddim_steps, cfg.policy.min_std) == (5, 10, 0.1)
+    assert (cfg.algo.ft_steps, cfg.policy.ddim_steps, cfg.algo.min_std) == (5, 10, 0.1)
     # the policy group can still be swapped and the command line still wins
-    assert compose("train", ["algo=dppo", "policy=unet_large"]).policy.ft_steps == 5
-    assert compose("train", ["algo=dppo", "policy.ft_steps=2"]).policy.ft_steps == 2
+    assert compose("train", ["algo=dppo", "policy=unet_large"]).algo.ft_steps == 5
+    assert compose("train", ["algo=dppo", "algo.ft_steps=2"]).algo.ft_steps == 2
 
 
 def test_dppo_tiny_run(tmp_path: Path) -> None:

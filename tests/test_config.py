@@ -59,7 +59,7 @@ def test_dppo_gym_takes_dppos_update_steps_per_iteration(compose) -> None:
     cfg = compose("train", ["env=hopper"])
     decisions = cfg.algo.n_steps * cfg.env.num_envs
     assert decisions // cfg.algo.minibatch_size * cfg.algo.update_epochs == 20
-    assert cfg.algo.minibatch_size * cfg.policy.ft_steps == 50_000
+    assert cfg.algo.minibatch_size * cfg.algo.ft_steps == 50_000
 
 
 @pytest.mark.parametrize("name", ["train", "pretrain", "collect", "bench"])
@@ -83,7 +83,7 @@ def test_checkpoint_entry_points_compose_and_require_one(name: str, compose) -> 
         ("algo=filtered_bc algo.explore=wander", "algo.explore"),
         ("algo=filtered_bc algo.explore_std=-0.1", "algo.explore_std"),
         ("env.num_envs=0", "env.num_envs"),
-        ("policy.ft_steps=50", "policy.ft_steps"),
+        ("algo.ft_steps=50", "algo.ft_steps"),
         ("policy.kernel_size=4", "policy.kernel_size"),
         ("device.precision=fp8", "device.precision"),
         ("env.obs_mode=lidar", "env.obs_mode"),
@@ -121,13 +121,35 @@ def test_every_algo_yaml_names_its_schema_and_sources() -> None:
         text = path.read_text()
         assert "_schema" in text, path.name
         assert text.lstrip().startswith("#"), path.name
+        assert "@package" not in text and "\nalgo:" not in text, (
+            f"{path.name}: packaged under algo like the others"
+        )
+        assert "\nhead:" not in text and "\nlearner:" not in text, (
+            f"{path.name}: the schema names the learner"
+        )
 
 
-def test_bare_learner_config_becomes_its_heads_learner() -> None:
-    """A TrainConfig built in Python without a learner gets the chain learner with the given shared fields."""
+def test_bare_learner_config_becomes_the_chain_learner() -> None:
+    """A TrainConfig built in Python without a learner gets the chain learner with the given shared fields; a
+    dict names its learner with ``learner`` (an unknown one is a one-line error)."""
     cfg = C.TrainConfig(algo=C.LearnerConfig(lr=5e-5))
     assert type(cfg.algo) is C.ChainConfig and cfg.algo.lr == 5e-5 and cfg.algo.name == "ppo"
-    assert type(C.TrainConfig(algo=C.LearnerConfig(head="filtered_bc")).algo) is C.FilteredBCConfig
+    assert type(C.TrainConfig(algo={"learner": "filtered_bc", "lr": 1e-3}).algo) is C.FilteredBCConfig
+    with pytest.raises(ValueError, match="algo.learner"):
+        C.TrainConfig(algo={"learner": "nope"})
+
+
+@pytest.mark.parametrize("entry", ["ppo", "grpo", "dppo", "dppo_gym", "fpo", "residual", "filtered_bc"])
+def test_one_name_chooses_the_learner(entry: str, compose) -> None:
+    """``algo=<entry>`` is the one choice: ``algo.name`` records it and the schema says which learner runs;
+    there is no field naming the learner a second time, and the chain-sampling settings exist only on the
+    learners that sample the chain."""
+    algo = compose("train", [f"algo={entry}"]).algo
+    assert algo.name == entry and algo.learner == type(algo).learner
+    assert {f.name for f in dataclasses.fields(algo)}.isdisjoint({"head", "learner"})
+    assert isinstance(algo, C.SamplingConfig) == (entry != "residual")
+    with pytest.raises(Exception, match="head"):
+        compose("train", [f"algo={entry}", "algo.head=chain"])
 
 
 def test_unknown_key_and_wrong_type_fail(compose) -> None:

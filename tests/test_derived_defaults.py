@@ -25,15 +25,16 @@ BUDGET = {"iterations": 1, "n_steps": 4, "minibatch_size": 8, "update_epochs": 1
 @pytest.mark.parametrize("algo", ALGOS)
 def test_ddim_steps_composes_with_every_algo_and_policy(algo: str, policy: str, compose) -> None:
     cfg = compose("train", [f"algo={algo}", f"policy={policy}", "policy.ddim_steps=4"])
-    assert cfg.policy.ddim_steps == 4 and 1 <= cfg.policy.ft_steps <= 4
+    assert cfg.policy.ddim_steps == 4 and 1 <= getattr(cfg.algo, "ft_steps", 4) <= 4
 
 
 def test_defaults_are_derived_from_what_they_depend_on(compose) -> None:
-    p = compose("train", []).policy
-    assert (p.ddim_steps, p.ft_steps, p.n_action_steps, p.n_groups) == (10, 10, 8, 8)  # the documented values
-    assert compose("train", ["policy.ddim_steps=4"]).policy.ft_steps == 4  # null: all K steps
-    short = compose("train", ["policy.train_timesteps=5"]).policy
-    assert (short.ddim_steps, short.ft_steps) == (5, 5)
+    cfg = compose("train", [])
+    p = cfg.policy
+    assert (p.ddim_steps, cfg.algo.ft_steps, p.n_action_steps, p.n_groups) == (10, 10, 8, 8)  # as documented
+    assert compose("train", ["policy.ddim_steps=4"]).algo.ft_steps == 4  # null: all K steps
+    short = compose("train", ["policy.train_timesteps=5"])
+    assert (short.policy.ddim_steps, short.algo.ft_steps) == (5, 5)
     assert compose("train", ["policy.horizon=4"]).policy.n_action_steps == 4
     assert compose("train", ["policy.down_dims=[4,12]", "policy.horizon=4"]).policy.n_groups == 4
     assert compose("train", ["policy.down_dims=[6,12]", "policy.horizon=4"]).policy.n_groups == 6
@@ -136,23 +137,23 @@ def test_python_configs_derive_the_same_way() -> None:
 
 def test_a_fraction_of_the_chain_follows_ddim_steps(compose) -> None:
     """``ft_fraction`` (DPPO's half chain: 0.5) gives K' = round(f K), at least 1; a set ft_steps wins."""
-    half = ["algo=ppo", "policy.ft_steps=null", "policy.ft_fraction=0.5"]
-    assert compose("train", half).policy.ft_steps == 5
-    assert compose("train", [*half, "policy.ddim_steps=4"]).policy.ft_steps == 2
-    assert compose("train", [*half, "policy.ddim_steps=1"]).policy.ft_steps == 1
-    assert compose("train", [*half, "policy.ddim_steps=4", "policy.ft_steps=3"]).policy.ft_steps == 3
+    half = ["algo=ppo", "algo.ft_steps=null", "algo.ft_fraction=0.5"]
+    assert compose("train", half).algo.ft_steps == 5
+    assert compose("train", [*half, "policy.ddim_steps=4"]).algo.ft_steps == 2
+    assert compose("train", [*half, "policy.ddim_steps=1"]).algo.ft_steps == 1
+    assert compose("train", [*half, "policy.ddim_steps=4", "algo.ft_steps=3"]).algo.ft_steps == 3
 
 
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        (["policy.ddim_steps=4", "policy.ft_steps=10"], "policy.ft_steps"),
+        (["policy.ddim_steps=4", "algo.ft_steps=10"], "algo.ft_steps"),
         (["policy.ddim_steps=200"], "policy.ddim_steps"),
         (["policy.n_action_steps=32", "policy.horizon=16"], "policy.n_action_steps"),
         (["policy.n_groups=3"], "policy.n_groups"),
         (["policy.n_groups=0"], "policy.n_groups"),
-        (["policy.ft_fraction=1.5"], "policy.ft_fraction"),
-        (["policy.ft_fraction=0"], "policy.ft_fraction"),
+        (["algo.ft_fraction=1.5"], "algo.ft_fraction"),
+        (["algo.ft_fraction=0"], "algo.ft_fraction"),
         (["policy.down_dims=[64,128,256,512,1024,2048]"], "policy.down_dims"),
     ],
 )
@@ -162,15 +163,24 @@ def test_values_the_user_set_that_cannot_work_are_rejected(overrides: list, fiel
     assert "\n" not in str(info.value)
 
 
-def test_a_checkpoint_without_the_newer_fields_still_loads(tmp_path: Path) -> None:
-    """Checkpoints written before ``ft_fraction`` existed keep loading (it takes its default)."""
+def test_a_checkpoint_from_before_the_learner_owned_sampling_samples_as_it_did(tmp_path: Path) -> None:
+    """Checkpoints written before ``ft_fraction`` existed, or while K', eta and the std floor were policy
+    fields, keep loading: the moved fields are read as the checkpoint's sampling (``sampling_of``)."""
     import dataclasses
 
+    from diffpolicy.policy_io import policy_config_from, sampling_of
+
     raw = dataclasses.asdict(C.PolicyConfig(ddim_steps=4))
-    raw.pop("ft_fraction")
+    raw.update(ft_steps=2, eta=0.5, min_std=0.05)  # as the PolicyConfig of earlier releases wrote them
     ckpt = Checkpoint(tmp_path, 0, {}, config={"env": dataclasses.asdict(C.EnvConfig()), "policy": raw})
     _, policy_cfg = configs_from(ckpt)
-    assert policy_cfg.ft_fraction is None and policy_cfg.ft_steps == 4
+    assert policy_cfg.ddim_steps == 4 and not hasattr(policy_cfg, "ft_steps")
+    assert sampling_of(ckpt) == {"ft_steps": 2, "eta": 0.5, "min_std": 0.05}
+    assert policy_config_from(ckpt) == policy_cfg
+    new = Checkpoint(
+        tmp_path, 0, {}, config={"policy": raw, "sampling": {"ft_steps": 4, "eta": 1.0, "min_std": 0.1}}
+    )
+    assert sampling_of(new) == {"ft_steps": 4, "eta": 1.0, "min_std": 0.1}  # the recorded one wins
 
 
 def test_a_checkpoint_from_before_unexecuted_weight_keeps_the_plain_loss(tmp_path: Path) -> None:
@@ -202,7 +212,7 @@ def test_ddim_steps_runs_with_every_algo(algo: str, tmp_path: Path, init_ckpt: P
 
 def test_dppo_half_chain_runs_with_ddim_steps_4(tmp_path: Path, init_ckpt: Path) -> None:
     """What conf/algo/dppo.yaml gives once it asks for half the chain (ft_fraction 0.5): K' = 2 of K = 4."""
-    policy = _run(tmp_path, init_ckpt, ["algo=dppo", "policy.ft_steps=null", "policy.ft_fraction=0.5"])
+    policy = _run(tmp_path, init_ckpt, ["algo=dppo", "algo.ft_steps=null", "algo.ft_fraction=0.5"])
     assert policy.ft_steps == 2
 
 
@@ -219,7 +229,7 @@ def _run(tmp_path: Path, init: Path, overrides: list[str]) -> Any:
             "log.tensorboard=false", "device=cpu", *overrides]  # fmt: skip
     learner = compose("train", base).algo
     cfg = compose("train", [*base, *(f"algo.{k}={v}" for k, v in BUDGET.items() if hasattr(learner, k))])
-    assert cfg.policy.ddim_steps == 4 and 1 <= cfg.policy.ft_steps <= 4
+    assert cfg.policy.ddim_steps == 4 and 1 <= getattr(cfg.algo, "ft_steps", 4) <= 4
     summary = main(cfg, tmp_path)
     assert summary["iterations"] == 1 and 0.0 <= summary["ppo_success_rate"] <= 1.0
     policy, _, _ = load_policy(tmp_path / "checkpoints")

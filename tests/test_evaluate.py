@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REACH = EnvConfig(name="obstacle_reach", id="diffpolicy_envs:ObstacleReach-v0", obs_mode="state", num_envs=2)
 SMALL = PolicyConfig(encoder=EncoderConfig(state_hidden=16, token_dim=16, fusion_heads=2), cond_dim=16,
                      down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=16, n_action_steps=8,
-                     train_timesteps=20, ddim_steps=4, ft_steps=2)  # fmt: skip
+                     train_timesteps=20, ddim_steps=4)  # fmt: skip
 
 SAMPLING_USERS = [
     ("diffpolicy.evaluation", "evaluate"),
@@ -207,7 +207,7 @@ def test_evaluate_cli(run, tmp_path):
 
 def test_train_and_pretrain_evaluate_bc_alike(run):
     """One held-out protocol (evaluation.held_out): a TrainConfig and a PretrainConfig with the same settings
-    score a policy identically, whatever the global RNG holds; with algo.head=residual (both entry points'
+    score a policy identically, whatever the global RNG holds; with algo=residual (both entry points'
     default) or eval_deterministic the chain takes its means, otherwise it samples."""
     from diffpolicy.cli import compose
     from diffpolicy.device import Runtime

@@ -46,7 +46,6 @@ def _tiny_cfg(**over) -> PolicyConfig:
         horizon=8,
         n_action_steps=4,
         ddim_steps=3,
-        ft_steps=2,
         train_timesteps=20,
         step_embed_dim=16,
         kernel_size=3,
@@ -55,8 +54,10 @@ def _tiny_cfg(**over) -> PolicyConfig:
     return PolicyConfig(**{**base, **over})
 
 
-def _policy(cfg: PolicyConfig, shapes: dict) -> torch.nn.Module:
+def _policy(cfg: PolicyConfig, shapes: dict, eta: float = 1.0) -> torch.nn.Module:
+    """A tiny policy whose last 2 DDIM steps are sampled (K' = 2, as a chain learner leaves it)."""
     policy = make_policy(cfg, shapes, 3, text_backend="hash")
+    policy.set_sampling(ft_steps=2, eta=eta, min_std=0.01, freeze=False)
     policy.fit_normalizers(actions=torch.randn(64, 3) * 2 + 1, state=torch.randn(64, 5))
     return policy.eval()
 
@@ -112,7 +113,7 @@ def test_frozen_base_denoiser_runs_the_first_steps(tmp_path):
     K - K' steps, as ``policy.sample`` does, so onnxruntime still matches PyTorch once the fine-tuned
     denoiser has moved away from the base."""
     shapes = {"state": [5], "instruction": None}
-    policy = _policy(_tiny_cfg(ddim_steps=4, ft_steps=2), shapes)
+    policy = _policy(_tiny_cfg(ddim_steps=4), shapes)
     policy.freeze_base()
     with torch.no_grad():
         for p in policy.denoiser.parameters():
@@ -129,7 +130,7 @@ def test_frozen_base_denoiser_runs_the_first_steps(tmp_path):
 
 
 def test_eta_zero_base_steps_take_their_mean():
-    policy = _policy(_tiny_cfg(eta=0.0, ddim_steps=4, ft_steps=2), {"state": [5]})
+    policy = _policy(_tiny_cfg(ddim_steps=4), {"state": [5]}, eta=0.0)
     graph = SamplerGraph(policy, {"state": [5]})
     assert graph.stochastic_steps == [2, 3]  # only the fine-tuned steps have std >= min_std
     assert graph.input_names == ["state", "noise", "step_noise"]

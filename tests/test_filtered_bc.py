@@ -103,7 +103,7 @@ def test_tiny_filtered_bc_run(tmp_path: Path, init_ckpt: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["head"] == "filtered_bc" and summary["env_steps"] > 0
+    assert summary["learner"] == "filtered_bc" and summary["env_steps"] > 0
     assert set(summary["failures"]) == {"bc", "ppo"}
     assert sum(summary["failures"]["ppo"].values()) == round(
         (1 - summary["ppo_success_rate"]) * summary["eval_episodes"]
@@ -171,7 +171,7 @@ def test_tiny_fpo_run(tmp_path: Path, init_ckpt: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["head"] == "fpo" and summary["env_steps"] > 0
+    assert summary["learner"] == "fpo" and summary["env_steps"] > 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     kl = [r["losses/approx_kl"] for r in rows if "losses/approx_kl" in r]
     assert len(kl) == 2 and all(np.isfinite(kl))

@@ -1,5 +1,6 @@
-"""The learner registry and protocol (``rl/learner.py``): every ``algo.head`` has one registered learner class
-that implements everything ``train.py`` calls, and an unknown name fails in one line."""
+"""The learner registry and protocol (``rl/learner.py``): every learner schema (``LEARNERS`` of
+``diffpolicy.config``, named by its ``learner`` constant) has one registered learner class that reads it and
+implements everything ``train.py`` calls, and an unknown name fails in one line."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import inspect
 
 import pytest
 
-from diffpolicy.config import HEADS
+from diffpolicy.config import LEARNERS as SCHEMAS
 from diffpolicy.rl.learner import LEARNERS, Learner, learner_class
+
+HEADS = tuple(SCHEMAS)
 
 
 def test_every_head_has_one_registered_learner() -> None:
@@ -16,7 +19,7 @@ def test_every_head_has_one_registered_learner() -> None:
     assert sorted(LEARNERS) == sorted(HEADS)
     assert len(set(classes.values())) == len(HEADS)
     for name, cls in classes.items():
-        assert cls.name == name
+        assert cls.name == name and cls.config is SCHEMAS[name] and cls.config.learner == name
 
 
 @pytest.mark.parametrize("name", HEADS)
@@ -31,5 +34,5 @@ def test_each_learner_implements_the_protocol(name: str) -> None:
 
 
 def test_unknown_learner_is_one_clear_error() -> None:
-    with pytest.raises(ValueError, match="algo.head='nope' names no learner; choose one of"):
+    with pytest.raises(ValueError, match="learner 'nope' is not registered; choose one of"):
         learner_class("nope")

@@ -33,9 +33,10 @@ def test_policy_samples_and_scores_chains_with_the_mlp() -> None:
     from diffpolicy.policies.diffusion import DiffusionPolicy
 
     cfg = PolicyConfig(name="mlp", denoiser="mlp", mlp_dims=[32, 32], horizon=4, n_action_steps=4,
-                       train_timesteps=20, ddim_steps=20, ft_steps=10, cond_dim=16, step_embed_dim=8,
+                       train_timesteps=20, ddim_steps=20, cond_dim=16, step_embed_dim=8,
                        encoder={"state_hidden": 16, "token_dim": 16})  # fmt: skip
     policy = DiffusionPolicy(cfg, {"state": [11]}, 3, text_backend="hash")
+    policy.set_sampling(ft_steps=10, eta=1.0, min_std=0.01, freeze=False)
     assert isinstance(policy.denoiser, MLPDenoiser)
     obs = {"state": torch.randn(5, 1, 11)}
     out = policy.sample(obs, return_chain=True, generator=torch.Generator().manual_seed(0))

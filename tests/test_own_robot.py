@@ -32,7 +32,7 @@ def test_gymnasium_task_from_a_robomimic_file(tmp_path: Path, compose, algo: str
     ])  # fmt: skip
     summary = train.main(cfg, tmp_path / "train")
     assert summary["checkpoint"].endswith("latest")  # what train prints is what evaluate takes
-    assert summary["iterations"] == 1 and summary["env_steps"] > 0 and summary["head"] == cfg.algo.head
+    assert summary["iterations"] == 1 and summary["env_steps"] > 0 and summary["learner"] == cfg.algo.learner
     # InvertedPendulum reports no is_success: returns, and no success rate that would read as "always fails"
     assert summary["bc_success_rate"] is None and summary["ppo_success_rate"] is None
     assert summary["bc_return"] > 0 and summary["ppo_return"] > 0

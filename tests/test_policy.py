@@ -17,14 +17,17 @@ MULTI = {"rgb": (16, 16, 3), "points": (32, 3), "state": (5,), "instruction": No
 
 def cfg(**kw) -> PolicyConfig:
     base = dict(encoder=ENC, cond_dim=16, down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=TA,
-                n_action_steps=TE, train_timesteps=50, ddim_steps=5, ft_steps=3, min_std=0.1, eta=1.0,
-                gaussian_hidden=[32])  # fmt: skip
+                n_action_steps=TE, train_timesteps=50, ddim_steps=5, gaussian_hidden=[32])  # fmt: skip
     return PolicyConfig(**{**base, **kw})
 
 
-def make(spec=None, seed: int = 0, **kw) -> DiffusionPolicy:
+def make(
+    spec=None, seed: int = 0, ft_steps: int = 3, eta: float = 1.0, min_std: float = 0.1, **kw
+) -> DiffusionPolicy:
     torch.manual_seed(seed)
-    return make_policy(cfg(**kw), spec or {"state": (5,)}, DA, text_backend="hash")
+    policy = make_policy(cfg(**kw), spec or {"state": (5,)}, DA, text_backend="hash")
+    policy.set_sampling(ft_steps=ft_steps, eta=eta, min_std=min_std, freeze=False)
+    return policy
 
 
 def obs(b: int = B, to: int = 1, multimodal: bool = False) -> dict:
@@ -70,7 +73,7 @@ def test_set_sampling_changes_the_chain_not_the_weights():
     p, ref = make(), make(ft_steps=2, eta=0.5, min_std=0.02)
     weights = {k: v.clone() for k, v in p.state_dict().items()}
     p.set_sampling(ft_steps=2, eta=0.5, min_std=0.02)
-    assert p.ft_steps == 2 and (p.cfg.ft_steps, p.cfg.eta, p.cfg.min_std) == (2, 0.5, 0.02)
+    assert p.ft_steps == 2 and p.sampling == {"ft_steps": 2, "eta": 0.5, "min_std": 0.02}
     for name in ("std", "timesteps", "alphas_cumprod"):
         torch.testing.assert_close(getattr(p.schedule, name), getattr(ref.schedule, name))
     assert all(torch.equal(v, p.state_dict()[k]) for k, v in weights.items())

@@ -19,7 +19,7 @@ ENV = EnvConfig(image_size=16, n_points=32, num_envs=2)
 
 def policy_cfg(**kw) -> PolicyConfig:
     base = dict(encoder=ENC, cond_dim=16, down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=TA,
-                n_action_steps=TE, train_timesteps=50, ddim_steps=5, ft_steps=3, gaussian_hidden=[32])  # fmt: skip
+                n_action_steps=TE, train_timesteps=50, ddim_steps=5, gaussian_hidden=[32])  # fmt: skip
     return PolicyConfig(**{**base, **kw})
 
 
@@ -106,14 +106,16 @@ def test_deploy_loading_takes_defaults_for_fields_an_older_checkpoint_lacks(tmp_
 
     def older(m):
         m["config"].pop("env")
-        m["config"]["policy"].pop("eta")  # a sampling setting: the weights do not depend on it
+        m["config"]["policy"].pop("kernel_size")  # at its default
+        m["config"].pop("sampling")  # how chains were sampled: the default sampling then holds
 
     _edit_meta(path, older)
     with pytest.raises(CheckpointError):
         load_policy(path)  # the training loader wants the whole record
     q, env_cfg, ckpt = load_policy(path, text_backend="hash", deploy=True)
     assert env_cfg is None and ckpt.extra["obs_spec"] == SPEC
-    assert q.cfg.eta == PolicyConfig().eta and not q.cfg.compile
+    assert q.cfg.kernel_size == PolicyConfig().kernel_size and not q.cfg.compile
+    assert q.sampling == {"ft_steps": cfg.ddim_steps, "eta": 1.0, "min_std": 0.01}
     g = torch.Generator().manual_seed(0)
     a = p.eval().sample(obs(), deterministic=True, generator=g).actions
     b = q.sample(obs(), deterministic=True, generator=torch.Generator().manual_seed(0)).actions

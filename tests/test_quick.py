@@ -14,7 +14,7 @@ def test_make_quick_runs_the_quick_preset() -> None:
     """The Makefile's verb is the command this file tests, and the preset keeps every budget small."""
     assert "-m diffpolicy.train +experiment=quick" in (ROOT / "Makefile").read_text()
     cfg = compose("train", ["+experiment=quick"])
-    assert cfg.env.name == "mujoco_pick" and cfg.env.obs_mode == "state" and cfg.algo.head == "filtered_bc"
+    assert cfg.env.name == "mujoco_pick" and cfg.env.obs_mode == "state" and cfg.algo.learner == "filtered_bc"
     assert cfg.bc.n_demos <= 20 and cfg.bc.epochs <= 100 and max(cfg.policy.down_dims) <= 64
     assert cfg.algo.iterations * cfg.algo.round_episodes * cfg.env.max_episode_steps <= 4_000  # env steps
     assert cfg.algo.iterations * cfg.algo.bc_steps <= 100
@@ -43,7 +43,7 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         ],
     )
     summary = main(cfg, tmp_path / "run")
-    assert summary is not None and summary["head"] == "filtered_bc"
+    assert summary is not None and summary["learner"] == "filtered_bc"
     assert 0 < summary["env_steps"] <= 2 * 120 and summary["eval_episodes"] == 2
     assert 0.0 <= summary["bc_success_rate"] <= 1.0 and 0.0 <= summary["ppo_success_rate"] <= 1.0
     assert checkpoint.load(tmp_path / "run" / "checkpoints").step == 1

@@ -281,7 +281,6 @@ def _tiny_checkpoint(root: Path) -> Path:
         horizon=8,
         n_action_steps=4,
         ddim_steps=3,
-        ft_steps=2,
         train_timesteps=20,
         step_embed_dim=16,
         kernel_size=3,

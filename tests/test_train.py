@@ -26,13 +26,13 @@ TINY_POLICY = [
     "policy.horizon=16",
     "policy.n_action_steps=8",
     "policy.ddim_steps=4",
-    "policy.ft_steps=2",
     "policy.encoder.state_hidden=32",
     "policy.encoder.token_dim=32",
 ]
 TINY_RUN = [
     "env=obstacle_reach",
     "algo=ppo",  # GAE with a critic (the train default is grpo, covered below)
+    "algo.ft_steps=2",  # K' = 2 of the tiny policy's K = 4
     "env.num_envs=2",
     "algo.iterations=3",
     "algo.n_steps=3",
@@ -217,11 +217,11 @@ def test_regulariser_pulls_a_moved_policy(tmp_path: Path, init_ckpt: Path, reg: 
 
 
 def test_sampling_and_clip_options_reach_the_policy(tmp_path: Path, init_ckpt: Path) -> None:
-    """policy.min_std applies to the loaded policy whatever its checkpoint recorded (and so to the saved
-    config), algo.clip_eps_final sets the last step's clip range, algo.denoise_gamma changes the loss."""
-    head = _chain_head(tmp_path, init_ckpt, "policy.min_std=0.05", "algo.clip_eps_final=0.05")
-    assert checkpoint.load(init_ckpt).config["policy"]["min_std"] != 0.05
-    assert head.policy.cfg.min_std == 0.05 and head.policy.schedule.min_std == 0.05
+    """algo.min_std applies to the loaded policy whatever its checkpoint recorded (and so to the saved
+    checkpoints' sampling), algo.clip_eps_final sets the last step's clip range, algo.denoise_gamma changes the loss."""
+    head = _chain_head(tmp_path, init_ckpt, "algo.min_std=0.05", "algo.clip_eps_final=0.05")
+    assert checkpoint.load(init_ckpt).config["sampling"]["min_std"] != 0.05
+    assert head.policy.sampling["min_std"] == 0.05 and head.policy.schedule.min_std == 0.05
     assert head.clip_eps[0].item() == pytest.approx(0.01) and head.clip_eps[-1].item() == pytest.approx(0.05)
     base = _update(_chain_head(tmp_path, init_ckpt))["losses/policy"]
     discounted = _update(_chain_head(tmp_path, init_ckpt, "algo.denoise_gamma=0.5"))["losses/policy"]
@@ -275,18 +275,18 @@ def test_grpo_needs_whole_groups(init_ckpt: Path) -> None:
 
 def test_tiny_policy_config_is_valid() -> None:
     cfg = compose("train", [*TINY_RUN, *TINY_POLICY])
-    assert isinstance(cfg.policy, PolicyConfig) and cfg.policy.ft_steps == 2
+    assert isinstance(cfg.policy, PolicyConfig) and cfg.algo.ft_steps == 2
 
 
 def test_default_run_is_the_cpu_mission() -> None:
     """What ``python -m diffpolicy.train env=mujoco_pick`` composes to (the README's mission settings)."""
     cfg = compose("train", ["env=mujoco_pick"])
     assert cfg.env.obs_mode == "state" and cfg.env.expert == {"max_speed": None} and cfg.bc.n_demos == 40
-    assert cfg.algo.head == "filtered_bc" and cfg.algo.explore == "chunk"
+    assert cfg.algo.learner == "filtered_bc" and cfg.algo.explore == "chunk"
     assert cfg.algo.iterations * cfg.algo.round_episodes * cfg.env.max_episode_steps <= 1_000_000  # env steps
     assert cfg.policy.horizon == 16 and cfg.eval_episodes >= 200
     pre = compose("pretrain", ["env=mujoco_pick"])  # pretrain clones, and judges, the same BC
-    assert pre.bc == cfg.bc and pre.env == cfg.env and pre.algo.head == cfg.algo.head
+    assert pre.bc == cfg.bc and pre.env == cfg.env and pre.algo.learner == cfg.algo.learner
 
 
 MULTIMODAL_LEARNER = {

@@ -58,7 +58,7 @@ def run(repeats: int = 3, threads: int = 2, **kw: Any) -> dict:
     max_batch = int(kw.get("max_batch", 16))
     max_wait_ms = float(kw.get("max_wait_ms", 10.0))
     steps = int(kw.get("ddim_steps", 10))
-    cfg = PolicyConfig(horizon=int(kw.get("horizon", 64)), ddim_steps=steps, ft_steps=steps)
+    cfg = PolicyConfig(horizon=int(kw.get("horizon", 64)), ddim_steps=steps)
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
 

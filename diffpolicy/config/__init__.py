@@ -51,7 +51,6 @@ from diffpolicy.config.jobs import (
     replace,
 )
 from diffpolicy.config.learners import (
-    HEADS,
     LEARNERS,
     ChainConfig,
     FilteredBCConfig,
@@ -59,6 +58,7 @@ from diffpolicy.config.learners import (
     LearnerConfig,
     PPOConfig,
     ResidualConfig,
+    SamplingConfig,
     as_learner,
 )
 
@@ -81,7 +81,6 @@ __all__ = [
     "FPOConfig",
     "FilteredBCConfig",
     "GROUPS",
-    "HEADS",
     "LEARNERS",
     "LearnerConfig",
     "LogConfig",
@@ -91,6 +90,7 @@ __all__ = [
     "PROTOCOLS",
     "POLICY_DERIVED",
     "PPOConfig",
+    "SamplingConfig",
     "PRIMARY",
     "PolicyConfig",
     "PretrainConfig",

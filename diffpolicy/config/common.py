@@ -52,7 +52,7 @@ def _unit(name: str, value: float, *, open_low: bool = False) -> None:
 PROTOCOLS = {"noise_free": True, "exploration": False, "dppo": False}
 """Evaluation protocols -> whether every DDIM step takes its mean. ``noise_free``: every step's mean (under the
 policy's own eta; what ``train`` reports for residual and filtered_bc); ``exploration``: the stochastic chain
-the rollouts sample (eta, the ``policy.min_std`` floor); ``dppo``: DPPO's deterministic evaluation, each step
+the rollouts sample (eta, the ``algo.min_std`` floor); ``dppo``: DPPO's deterministic evaluation, each step
 drawn with its own eta-scaled std floored at 1e-3 and none at the last step, no exploration floor
 (:meth:`diffpolicy.diffusion.schedule.NoiseSchedule.with_natural_std`). A checkpoint carries the one its
 figure was reported under (``extra["protocol"]``)."""

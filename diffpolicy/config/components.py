@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,16 +194,6 @@ class PolicyConfig:
     """Diffusion steps of the DDPM training schedule."""
     ddim_steps: int | None = None
     """K: DDIM steps when sampling (null: 10, or ``train_timesteps`` when the schedule has fewer)."""
-    ft_steps: int | None = None
-    """K': last DDIM steps that PPO fine-tunes, K' <= K (null: ``ft_fraction`` of K, else all K steps, which
-    fine-tunes the whole chain). A value given here wins over ``ft_fraction``."""
-    ft_fraction: float | None = None
-    """K' / K when ``ft_steps`` is null, in (0, 1]: K' = round(ft_fraction * K), at least 1 (DPPO's half
-    chain: 0.5, so K' follows any ``ddim_steps``); null: K' = K."""
-    min_std: float = 0.01
-    """Lower bound on the std of every stochastic DDIM step (exploration), in normalised action units."""
-    eta: float = 1.0
-    """DDIM stochasticity for fine-tuned steps (0 = deterministic)."""
     clip_sample: float = 1.0
     """Predicted x0 is clipped to [-clip_sample, clip_sample]."""
     gaussian_hidden: list[int] = field(default_factory=lambda: [512, 512])
@@ -266,15 +255,6 @@ class PolicyConfig:
             raise ValueError(
                 f"policy.ddim_steps={self.ddim_steps} must lie in [1, train_timesteps={self.train_timesteps}]"
             )
-        if self.ft_fraction is not None:
-            _unit("policy.ft_fraction", self.ft_fraction, open_low=True)
-        if self.ft_steps is None:  # derived from K, so that any ddim_steps works
-            share = 1.0 if self.ft_fraction is None else self.ft_fraction
-            self.ft_steps = min(self.ddim_steps, max(1, math.floor(share * self.ddim_steps + 0.5)))
-        if not 0 < self.ft_steps <= self.ddim_steps:
-            raise ValueError(f"policy.ft_steps={self.ft_steps} must lie in [1, ddim_steps={self.ddim_steps}]")
-        _positive("policy.min_std", self.min_std)
-        _unit("policy.eta", self.eta)
         _positive("policy.clip_sample", self.clip_sample)
 
 

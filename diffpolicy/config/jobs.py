@@ -27,7 +27,7 @@ from diffpolicy.config.components import (
     LogConfig,
     PolicyConfig,
 )
-from diffpolicy.config.learners import LEARNERS, LearnerConfig, PPOConfig, as_learner
+from diffpolicy.config.learners import LEARNERS, LearnerConfig, PPOConfig, SamplingConfig, as_learner
 
 
 def derive_from_obs_mode(
@@ -62,7 +62,7 @@ class TrainConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     algo: LearnerConfig = field(default_factory=LearnerConfig)
     """The learner: a :data:`LEARNERS` schema chosen by ``algo=<entry>`` (a bare LearnerConfig built in
-    Python becomes its head's learner with defaults)."""
+    Python becomes the chain learner's config with defaults)."""
     bc: BCConfig = field(default_factory=BCConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -105,6 +105,8 @@ class TrainConfig:
         if self.val_episodes is None:
             self.val_episodes = self.eval_episodes
         self.algo = as_learner(self.algo)
+        if isinstance(self.algo, SamplingConfig) and isinstance(self.policy, PolicyConfig):
+            self.algo.resolve_ft_steps(self.policy.ddim_steps)
         val_used = max(self.val_episodes, self.algo.rollback_episodes)  # the guard reads the first n of them
         check_splits(self.val_seed, val_used, self.eval_seed, self.eval_episodes)
         if isinstance(self.algo, PPOConfig) and isinstance(self.env, EnvConfig):
@@ -166,7 +168,7 @@ class PretrainConfig:
     val_seed: int = VAL_SEED
     """First validation seed (:data:`VAL_SEED`), as ``train``'s."""
     eval_deterministic: bool = False
-    """As ``train``'s: every DDIM step's mean (always so with ``algo.head=residual``, whose base samples that
+    """As ``train``'s: every DDIM step's mean (always so with ``algo=residual``, whose base samples that
     way), else the stochastic chain the chain learner fine-tunes."""
 
     def __post_init__(self) -> None:
@@ -384,7 +386,7 @@ PRIMARY: dict[str, type] = {
 """Primary config per entry point (``conf/<name>.yaml``) and its dataclass."""
 
 
-POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "ft_steps", "unexecuted_weight")
+POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "unexecuted_weight")
 """PolicyConfig fields whose null default :meth:`PolicyConfig.__post_init__` derives from other fields."""
 DERIVED: dict[type, tuple[str, ...]] = {
     PolicyConfig: POLICY_DERIVED,
@@ -432,8 +434,8 @@ def register_configs() -> None:
         cs.store(name=f"{name}_schema", node=_schema(cls))
     for group, cls in GROUPS.items():
         cs.store(group=group, name=f"{group}_schema", node=_schema(cls))
-    for head, cls in LEARNERS.items():
-        cs.store(group="algo", name=f"{head}_schema", node=_schema(cls))
+    for learner, cls in LEARNERS.items():
+        cs.store(group="algo", name=f"{learner}_schema", node=_schema(cls))
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

@@ -1,11 +1,15 @@
 """The fine-tuning learners' configs (``algo.*``): what every learner reads (:class:`LearnerConfig`), the PPO
 learners' shared fields (:class:`PPOConfig`) and one subclass per learner, with :data:`LEARNERS` mapping
-``algo.head`` to its schema. The learners themselves live in ``diffpolicy/rl/`` and read these; the configs stay
-below them so that every entry point can build and validate a config without importing a learner."""
+each learner's name to its schema. The learners themselves live in ``diffpolicy/rl/`` and read these; the configs
+stay below them so that every entry point can build and validate a config without importing a learner.
+
+The one choice a user makes is ``algo=<entry>`` (a YAML under ``conf/algo/``, recorded as ``algo.name``); the
+entry's schema says which learner runs (its class constant ``learner``), so no second field names it."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -22,11 +26,7 @@ class LearnerConfig:
     """
 
     name: str = "learner"
-    """Config-group entry."""
-    head: str = "chain"
-    """What is trained: chain (PPO on the last K' denoising steps, DPPO) | residual (the diffusion policy
-    frozen, a Gaussian MLP correcting each control step's action) | filtered_bc (BC continued on the policy's
-    own successful episodes, rl/filtered_bc.py) | fpo (PPO with the denoising-loss ratio, rl/fpo.py)."""
+    """The ``conf/algo/`` entry this config was composed from (``algo=<name>``): a record, not a switch."""
     iterations: int = 60
     """Iterations (rollout + update)."""
     lr: float = 1e-4
@@ -41,12 +41,17 @@ class LearnerConfig:
     checkpoint (seeds 10 000 000 + ..., free); n > 0, n validation episodes (seeds ``val_seed`` + i, the same
     n every time, the held-out protocol), at the cost of their env steps, which the summary counts apart."""
 
+    learner: ClassVar[str] = "chain"
+    """Which learner of ``diffpolicy/rl/`` runs: chain (PPO on the last K' denoising steps, DPPO) | residual
+    (the diffusion policy frozen, a Gaussian MLP correcting each control step's action) | filtered_bc (BC
+    continued on the policy's own successful episodes) | fpo (PPO with the denoising-loss ratio). A class
+    constant of each schema, its one declaration: the learner registers under it and the schema is stored as
+    ``algo/<learner>_schema``."""
     judged_noise_free: ClassVar[bool] = False
     """The learner's policy acts with every DDIM step's mean, so BC and its result are judged that way
     (:func:`diffpolicy.evaluation.held_out`); a class constant of the learner, not a field."""
 
     def __post_init__(self) -> None:
-        _choice("algo.head", self.head, HEADS)
         _positive("algo.rollback_episodes", self.rollback_episodes, allow_zero=True)
         _positive("algo.iterations", self.iterations)
         _positive("algo.lr", self.lr)
@@ -54,13 +59,45 @@ class LearnerConfig:
         _unit("algo.rollback_drop", self.rollback_drop)
 
 
-HEADS = ("chain", "residual", "filtered_bc", "fpo")
-"""The learners' heads (``algo.head``)."""
+@dataclass
+class SamplingConfig:
+    """How a learner that samples the stochastic DDIM chain draws its rollouts (chain, FPO, filtered_bc's
+    ``explore=chain``). None of these enter the BC loss, so one cached BC checkpoint serves every setting;
+    the learner applies them to the loaded policy (``DiffusionPolicy.set_sampling``) and its checkpoints
+    record them (the ``exploration`` protocol of ``evaluate`` samples that way)."""
+
+    ft_steps: int | None = None
+    """K': last DDIM steps that are Gaussian transitions (and that the chain learner fine-tunes), K' <= K
+    (null: ``ft_fraction`` of ``policy.ddim_steps``, else all K steps). A value given here wins over
+    ``ft_fraction``; derived by :class:`~diffpolicy.config.TrainConfig`, which knows K."""
+    ft_fraction: float | None = None
+    """K' / K when ``ft_steps`` is null, in (0, 1]: K' = round(ft_fraction * K), at least 1 (DPPO's half
+    chain: 0.5, so K' follows any ``policy.ddim_steps``); null: K' = K."""
+    min_std: float = 0.01
+    """Lower bound on the std of every stochastic DDIM step (exploration), normalised action units."""
+    eta: float = 1.0
+    """DDIM stochasticity of the K' sampled steps (0: their means)."""
+
+    def __post_init__(self) -> None:
+        if self.ft_fraction is not None:
+            _unit("algo.ft_fraction", self.ft_fraction, open_low=True)
+        if self.ft_steps is not None:
+            _positive("algo.ft_steps", self.ft_steps)
+        _positive("algo.min_std", self.min_std)
+        _unit("algo.eta", self.eta)
+
+    def resolve_ft_steps(self, ddim_steps: int) -> None:
+        """Derive a null ``ft_steps`` from ``ddim_steps`` (K) and check 0 < K' <= K."""
+        if self.ft_steps is None:
+            share = 1.0 if self.ft_fraction is None else self.ft_fraction
+            self.ft_steps = min(ddim_steps, max(1, math.floor(share * ddim_steps + 0.5)))
+        if not 0 < self.ft_steps <= ddim_steps:
+            raise ValueError(f"algo.ft_steps={self.ft_steps} must lie in [1, policy.ddim_steps={ddim_steps}]")
 
 
 @dataclass
 class PPOConfig(LearnerConfig):
-    """The fields of every PPO learner (chain and residual heads): rollout size, critic, GAE, clipping."""
+    """The fields of every PPO learner (chain, residual, FPO): rollout size, critic, GAE, clipping."""
 
     n_steps: int = 16
     """T: decisions (chain) or control steps (residual) per environment per iteration."""
@@ -97,8 +134,8 @@ class PPOConfig(LearnerConfig):
 
 
 @dataclass
-class ChainConfig(PPOConfig):
-    """PPO on the last K' denoising steps of the diffusion policy (``algo=ppo | grpo | dppo``)."""
+class ChainConfig(SamplingConfig, PPOConfig):
+    """PPO on the last K' denoising steps of the diffusion policy (``algo=ppo | grpo | dppo | dppo_gym``)."""
 
     name: str = "ppo"
     clip_eps_final: float | None = None
@@ -144,9 +181,8 @@ class ChainConfig(PPOConfig):
     when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.head != "chain":
-            raise ValueError(f"algo.head={self.head!r}: a chain learner's head is chain")
+        PPOConfig.__post_init__(self)
+        SamplingConfig.__post_init__(self)
         if self.clip_eps_final is None:
             self.clip_eps_final = self.clip_eps
         _positive("algo.clip_eps_final", self.clip_eps_final)
@@ -171,7 +207,7 @@ class ResidualConfig(PPOConfig):
     """Residual PPO over control steps on the frozen BC policy (``algo=residual``)."""
 
     name: str = "residual"
-    head: str = "residual"
+    learner: ClassVar[str] = "residual"
     judged_noise_free: ClassVar[bool] = True  # its base samples every DDIM step's mean
     residual_alpha: float = 0.1
     """Bound of the correction alpha * tanh(u), env action units ([-1, 1] per dimension)."""
@@ -204,12 +240,8 @@ class ResidualConfig(PPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.head != "residual":
-            raise ValueError(f"algo.head={self.head!r}: the residual learner's head is residual")
         if self.advantage != "gae":
-            raise ValueError(
-                f"algo.head=residual needs algo.advantage=gae (a critic), got {self.advantage!r}"
-            )
+            raise ValueError(f"algo=residual needs algo.advantage=gae (a critic), got {self.advantage!r}")
         _positive("algo.residual_alpha", self.residual_alpha)
         _positive("algo.residual_init_std", self.residual_init_std)
         if not self.residual_hidden or any(h <= 0 for h in self.residual_hidden):
@@ -223,11 +255,11 @@ class ResidualConfig(PPOConfig):
 
 
 @dataclass
-class FilteredBCConfig(LearnerConfig):
+class FilteredBCConfig(SamplingConfig, LearnerConfig):
     """Success-filtered self-imitation (``algo=filtered_bc``): roll out, keep the successes, continue BC."""
 
     name: str = "filtered_bc"
-    head: str = "filtered_bc"
+    learner: ClassVar[str] = "filtered_bc"
     judged_noise_free: ClassVar[bool] = True  # its rollouts act noise-free by default (algo.explore)
     iterations: int = 10
     lr: float = 3e-4
@@ -254,12 +286,11 @@ class FilteredBCConfig(LearnerConfig):
     """``keep=top``: the fraction of each round's episodes kept, by return (at least one)."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        LearnerConfig.__post_init__(self)
+        SamplingConfig.__post_init__(self)
         _choice("algo.keep", self.keep, ("auto", "success", "top"))
         if not 0.0 < self.keep_fraction <= 1.0:
             raise ValueError(f"algo.keep_fraction={self.keep_fraction} must lie in (0, 1]")
-        if self.head != "filtered_bc":
-            raise ValueError(f"algo.head={self.head!r}: the filtered_bc learner's head is filtered_bc")
         _choice("algo.explore", self.explore, ("deterministic", "chain", "chunk"))
         _positive("algo.explore_std", self.explore_std, allow_zero=True)
         _positive("algo.round_episodes", self.round_episodes)
@@ -269,15 +300,17 @@ class FilteredBCConfig(LearnerConfig):
 
 
 def as_learner(algo: Any) -> LearnerConfig:
-    """``algo`` as its head's learner config: a bare :class:`LearnerConfig` (or a dict) becomes the
-    :data:`LEARNERS` class of its ``head``, keeping the shared fields; a learner config is returned as is."""
+    """``algo`` as a learner's config: a bare :class:`LearnerConfig` built in Python becomes the chain
+    learner's :class:`ChainConfig` with its shared fields kept; a dict is read as that learner's fields, its
+    optional ``learner`` key naming the learner (default chain); a learner config is returned as is."""
     if isinstance(algo, dict):
-        algo = dict(algo)
-        _choice("algo.head", algo.get("head", "chain"), HEADS)
-        return LEARNERS[algo.get("head", "chain")](**algo)
+        values = dict(algo)
+        name = values.pop("learner", "chain")
+        _choice("algo.learner", name, tuple(LEARNERS))
+        return LEARNERS[name](**values)
     if type(algo) is LearnerConfig:
         shared = {f.name: getattr(algo, f.name) for f in dataclasses.fields(LearnerConfig)}
-        cls = LEARNERS[algo.head]
+        cls = LEARNERS[algo.learner]
         if shared["name"] == LearnerConfig.name:
             shared["name"] = cls.name
         return cls(**shared)
@@ -285,28 +318,24 @@ def as_learner(algo: Any) -> LearnerConfig:
 
 
 @dataclass
-class FPOConfig(PPOConfig):
+class FPOConfig(SamplingConfig, PPOConfig):
     """PPO with the denoising-loss ratio (``algo=fpo``, FPO): the whole denoiser trained with BC's loss."""
 
     name: str = "fpo"
-    head: str = "fpo"
+    learner: ClassVar[str] = "fpo"
     mc_draws: int = 8
     """M: (t, eps) draws per decision in the ratio exp(mean_i [l_old(i) - l_theta(i)])."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.head != "fpo":
-            raise ValueError(f"algo.head={self.head!r}: the fpo learner's head is fpo")
+        PPOConfig.__post_init__(self)
+        SamplingConfig.__post_init__(self)
         if self.advantage != "gae":
             raise ValueError(f"algo=fpo needs algo.advantage=gae (a critic), got {self.advantage!r}")
         _positive("algo.mc_draws", self.mc_draws)
 
 
 LEARNERS: dict[str, type] = {
-    "chain": ChainConfig,
-    "fpo": FPOConfig,
-    "residual": ResidualConfig,
-    "filtered_bc": FilteredBCConfig,
+    cls.learner: cls for cls in (ChainConfig, FPOConfig, ResidualConfig, FilteredBCConfig)
 }
-"""Schema of each learner (``conf/algo/<x>.yaml`` names ``<schema>`` in its defaults): head -> dataclass,
-registered as ``algo/<head>_schema``."""
+"""Schema of each learner, keyed by its ``learner`` constant and registered as ``algo/<learner>_schema``
+(``conf/algo/<entry>.yaml`` names it in its defaults)."""

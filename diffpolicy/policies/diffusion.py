@@ -15,12 +15,11 @@ decision, the Te executed actions in env units plus the full :class:`SampleOutpu
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import torch
 
-from diffpolicy.config import PolicyConfig
+from diffpolicy.config import PolicyConfig, SamplingConfig
 from diffpolicy.diffusion.sampler import ddim_sample
 from diffpolicy.diffusion.schedule import NoiseSchedule, ddim_step_mean_std, ddpm_loss
 from diffpolicy.models.mlp_denoiser import MLPDenoiser
@@ -53,10 +52,11 @@ class DiffusionPolicy(PolicyBase):
                 cfg.conditioning,
             )
         self.denoiser.grad_checkpointing = cfg.grad_checkpointing
+        fresh = SamplingConfig()  # every step stochastic until a learner or checkpoint says otherwise
         self.schedule = NoiseSchedule(
-            cfg.train_timesteps, cfg.ddim_steps, cfg.ft_steps, cfg.eta, cfg.min_std, cfg.clip_sample
+            cfg.train_timesteps, cfg.ddim_steps, cfg.ddim_steps, fresh.eta, fresh.min_std, cfg.clip_sample
         )
-        self.ft_steps = cfg.ft_steps
+        self.ft_steps = cfg.ddim_steps
         self.logprob_min_std = 0.0
         """Floor on the std of the chain log-probs (0: the exact sampling std); set by PPO, see log_prob."""
         self.logprob_clamp: list[float] | tuple[float, ...] = ()
@@ -73,26 +73,33 @@ class DiffusionPolicy(PolicyBase):
         """DDIM loop backend: auto (the prepacked fast path on the CPU in fp32 inference, else eager) or
         compiled (torch.compile; falls back with a one-time warning when no compiler works)."""
 
-    def set_sampling(self, *, ft_steps: int, eta: float, min_std: float) -> None:
-        """Change how chains are sampled (K' fine-tuned steps, eta, the std floor) without touching weights.
+    def set_sampling(self, *, ft_steps: int, eta: float, min_std: float, freeze: bool = True) -> None:
+        """Change how chains are sampled (K' stochastic steps, eta, the std floor) without touching weights.
 
-        These settings do not enter the DDPM training loss, so one BC checkpoint serves fine-tuning runs
-        with any of them; ``cfg`` is updated so that a checkpoint saved afterwards records them. With
-        K' < K the current denoiser is also frozen as the base of the first K - K' steps
-        (:meth:`freeze_base`), unless a base is already held: call this on the pre-trained weights, before
-        fine-tuning (a resumed run loads its fine-tuned weights afterwards and keeps the pre-trained base).
-        With K' = K there are no base steps and any base is dropped.
+        The learner that samples the chain owns these settings (``algo.ft_steps``, ``algo.eta``,
+        ``algo.min_std``: :class:`~diffpolicy.config.SamplingConfig`); they do not enter the DDPM training
+        loss, so one BC checkpoint serves fine-tuning runs with any of them. :attr:`sampling` records them,
+        and a checkpoint saved afterwards carries them (``config["sampling"]``). With K' < K and ``freeze``
+        the current denoiser is also frozen as the base of the first K - K' steps (:meth:`freeze_base`),
+        unless a base is already held: call this on the pre-trained weights, before fine-tuning (a resumed
+        run loads its fine-tuned weights afterwards and keeps the pre-trained base); a checkpoint being
+        rebuilt passes ``freeze=False`` and loads its stored base. With K' = K any base is dropped.
         """
         s = self.schedule
         self.schedule = NoiseSchedule(
             s.train_timesteps, s.ddim_steps, ft_steps, eta, min_std, s.clip_sample
         ).to(s.alphas_cumprod.device)
         self.ft_steps = ft_steps
-        self.cfg = dataclasses.replace(self.cfg, ft_steps=ft_steps, eta=eta, min_std=min_std)
         if ft_steps == s.ddim_steps:
             self._base = []
-        elif not self._base:
+        elif freeze and not self._base:
             self.freeze_base()
+
+    @property
+    def sampling(self) -> dict[str, float | int]:
+        """How chains are sampled now: ``{"ft_steps": K', "eta": ..., "min_std": ...}`` (:meth:`set_sampling`)."""
+        s = self.schedule
+        return {"ft_steps": int(s.ft_steps), "eta": float(s.eta), "min_std": float(s.min_std)}
 
     def freeze_base(self) -> None:
         """Keep a frozen deep copy of the current denoiser for the K - K' steps before the fine-tuned ones.

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from diffpolicy.config import PolicyConfig
+from diffpolicy.config import PolicyConfig, SamplingConfig
 from diffpolicy.policies.base import Obs, PolicyBase, SampleOutput, normal_log_prob
 
 
@@ -39,7 +39,18 @@ class GaussianPolicy(PolicyBase):
             d = h
         self.head = nn.Sequential(*layers, nn.Linear(d, cfg.horizon * action_dim))
         self.log_std = nn.Parameter(torch.full((cfg.horizon, action_dim), math.log(init_std)))
-        self.min_std = cfg.min_std
+        self.min_std = SamplingConfig().min_std
+
+    def set_sampling(self, *, ft_steps: int, eta: float, min_std: float, freeze: bool = True) -> None:
+        """The learner's std floor (``algo.min_std``); a Gaussian has one transition (K' = 1) and no eta,
+        so ``ft_steps``, ``eta`` and ``freeze`` are accepted for the diffusion policy's signature only."""
+        del ft_steps, eta, freeze
+        self.min_std = float(min_std)
+
+    @property
+    def sampling(self) -> dict[str, float | int]:
+        """How chunks are sampled now: ``{"ft_steps": 1, "eta": 1.0, "min_std": ...}``."""
+        return {"ft_steps": 1, "eta": 1.0, "min_std": float(self.min_std)}
 
     def mean_std(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cond (B, cond_dim) -> mean (B, Ta, Da) fp32, std (Ta, Da) fp32 (>= min_std)."""

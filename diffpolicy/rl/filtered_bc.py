@@ -40,7 +40,7 @@ import torch
 
 from diffpolicy import checkpoint
 from diffpolicy.bc import BC_WEIGHT_DECAY, ema_update
-from diffpolicy.config import TrainConfig
+from diffpolicy.config import FilteredBCConfig, TrainConfig
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
@@ -122,7 +122,7 @@ def concat_batches(parts: list[tuple[dict[str, Any], torch.Tensor]]) -> tuple[di
     return obs, torch.cat([a for _, a in parts])
 
 
-@register("filtered_bc")
+@register(FilteredBCConfig)
 class FilteredBCLearner(PolicyLearner):
     """Success-filtered self-imitation on the whole diffusion policy (module docstring)."""
 

@@ -12,7 +12,7 @@ the observation. So it trains the whole denoiser (every noise level, not the las
 BC uses, the PPO form of "imitate what worked, more where the advantage is larger".
 
 Rollouts are the chain learner's (:func:`diffpolicy.rl.chain.rollout.collect_rollout`: the stochastic DDIM chain,
-eta and ``policy.min_std``), so exploration is the same as DPPO's; only the update differs.
+``algo.eta`` and ``algo.min_std``), so exploration is the same as DPPO's; only the update differs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from diffpolicy import checkpoint
-from diffpolicy.config import TrainConfig
+from diffpolicy.config import FPOConfig, TrainConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
 from diffpolicy.env_factory import make_envs
@@ -74,7 +74,7 @@ def fpo_ratio_loss(
     return -surrogate.mean(), stats
 
 
-@register("fpo")
+@register(FPOConfig)
 class FPOLearner(PolicyLearner):
     """FPO on the whole denoiser of ``policy``: the chain learner's rollout, the denoising-loss ratio's update."""
 

@@ -1,6 +1,6 @@
 """The one face every fine-tuning learner shows ``train.py``, the registry that names them, and what they share.
 
-A learner (``algo.head``: ``chain``, ``residual``, ``fpo``, ``filtered_bc``) lives in one unit under
+A learner (``chain``, ``residual``, ``fpo``, ``filtered_bc``; chosen by ``algo=<entry>``) lives in one unit under
 ``diffpolicy/rl/`` (a module or a package holding its rollout specifics and its update) and declares its
 name once, with :func:`register`. It owns its environments, buffer, critic and optimisers; the loop around
 it (seeding, logging, checkpoints, the rollback guard, sums over ranks) is ``train.py``'s and calls only
@@ -101,7 +101,8 @@ def env_seeds(cfg: Any, base: int) -> list[int]:
 
 
 LEARNERS: dict[str, type] = {}
-"""``algo.head`` -> learner class, filled by :func:`register` as the learner modules are imported."""
+"""Learner name (its config schema's ``learner`` constant) -> learner class, filled by :func:`register` as the
+learner modules are imported."""
 LEARNER_MODULES = (
     "diffpolicy.rl.chain",
     "diffpolicy.rl.residual",
@@ -111,8 +112,10 @@ LEARNER_MODULES = (
 """The modules that register learners (imported on first use of the registry)."""
 
 
-def register(name: str) -> Callable[[type], type]:
-    """Class decorator: the learner's one declaration of its ``algo.head`` name."""
+def register(config: type) -> Callable[[type], type]:
+    """Class decorator: the learner reads ``config`` (a :class:`~diffpolicy.config.LearnerConfig` schema),
+    and registers under that schema's ``learner`` constant, the name's one declaration."""
+    name = config.learner
 
     def add(cls: type) -> type:
         if name in LEARNERS and LEARNERS[name] is not cls:
@@ -120,7 +123,7 @@ def register(name: str) -> Callable[[type], type]:
                 f"learner {name!r} is registered twice ({LEARNERS[name].__name__}, {cls.__name__})"
             )
         LEARNERS[name] = cls
-        cls.name = name
+        cls.name, cls.config = name, config
         return cls
 
     return add
@@ -131,13 +134,16 @@ def learner_class(name: str) -> type:
     for module in LEARNER_MODULES:
         importlib.import_module(module)
     if name not in LEARNERS:
-        raise ValueError(f"algo.head={name!r} names no learner; choose one of {', '.join(sorted(LEARNERS))}")
+        raise ValueError(f"learner {name!r} is not registered; choose one of {', '.join(sorted(LEARNERS))}")
     return LEARNERS[name]
 
 
 def make_learner(cfg: Any, rt: Any, info: Any, policy: Any, logger: Any) -> Learner:
-    """The learner ``cfg.algo.head`` names, around the pre-trained ``policy``."""
-    learner = learner_class(cfg.algo.head)(cfg, rt, info, policy, logger)
+    """The learner whose schema ``cfg.algo`` is (``algo=<entry>``), around the pre-trained ``policy``."""
+    cls = learner_class(cfg.algo.learner)
+    if not isinstance(cfg.algo, cls.config):
+        raise TypeError(f"the {cls.name} learner reads {cls.config.__name__}, got {type(cfg.algo).__name__}")
+    learner = cls(cfg, rt, info, policy, logger)
     if not isinstance(learner, Learner):
         raise TypeError(f"{type(learner).__name__} does not implement the Learner protocol")
     return learner

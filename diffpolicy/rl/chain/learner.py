@@ -1,4 +1,4 @@
-"""The chain learner (``algo=ppo | grpo | dppo``, ``algo.head=chain``): PPO on the last K' denoising steps of
+"""The chain learner (``algo=ppo | grpo | dppo | dppo_gym``): PPO on the last K' denoising steps of
 the diffusion policy (DPPO, Ren et al. 2024).
 
 A rollout (:mod:`.rollout`) stores one entry per decision (observation, the K' + 1 chain states, their
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.config import TrainConfig
+from diffpolicy.config import ChainConfig, TrainConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, seed_for_rank
 from diffpolicy.env_factory import make_envs
@@ -43,7 +43,7 @@ def chain_specs(policy: Any, cond_dim: int) -> dict[str, Any]:
     return specs
 
 
-@register("chain")
+@register(ChainConfig)
 class ChainLearner(PolicyLearner):
     """PPO on the denoising chain of ``policy`` (a diffusion or Gaussian policy)."""
 

@@ -71,6 +71,43 @@ def batch_obs(mb: dict[str, Tensor], buffer: RolloutBuffer) -> dict[str, Any]:
     return obs
 
 
+def _optimiser_step(
+    learner: ChainModules,
+    loss: Tensor,
+    params: list[Tensor],
+    cfg: ChainConfig,
+    info: DistInfo,
+    monitor: GradMonitor,
+    snapshot: StateSnapshot,
+    logger: Any,
+    step: int,
+    *,
+    agreement: tuple[GradAgreement, list[Tensor]] | None,
+) -> Tensor | None:
+    """Backward, rank-averaged gradients, the NaN guard, clipping and one step of both optimisers; returns
+    the gradient norm before clipping, or None when the step was skipped (non-finite loss or gradients: the
+    snapshot's last good state is restored). ``agreement``: the first epoch's gradient-agreement tracker and
+    the actor's parameters it reads (disjoint minibatches of one rollout: do their gradients agree?)."""
+    learner.actor_optim.zero_grad(set_to_none=True)
+    learner.critic_optim.zero_grad(set_to_none=True)
+    learner.scaler.scale(loss).backward()
+    average_gradients(params, info)
+    learner.scaler.unscale_(learner.actor_optim)
+    learner.scaler.unscale_(learner.critic_optim)
+    if not nan_guard(loss, params, logger=logger, step=step):
+        snapshot.restore(step=step)
+        learner.scaler.update()
+        return None
+    if agreement is not None:
+        agreement[0].update(agreement[1])
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))  # 0 disables
+    monitor.update(norm, step=step)
+    learner.scaler.step(learner.actor_optim)
+    learner.scaler.step(learner.critic_optim)
+    learner.scaler.update()
+    return norm
+
+
 def ppo_update(
     learner: ChainModules,
     buffer: RolloutBuffer,
@@ -126,24 +163,13 @@ def ppo_update(
             loss, pg, v_loss, reg, stats = _minibatch_loss(
                 learner, mb, obs, reuse_cond, cfg, clip_eps, runtime, use_critic
             )
-            learner.actor_optim.zero_grad(set_to_none=True)
-            learner.critic_optim.zero_grad(set_to_none=True)
-            learner.scaler.scale(loss).backward()
-            average_gradients(params, info)
-            learner.scaler.unscale_(learner.actor_optim)
-            learner.scaler.unscale_(learner.critic_optim)
-            if not nan_guard(loss, params, logger=logger, step=step):  # skipped: the last good state back
-                snapshot.restore(step=step)
-                learner.scaler.update()
+            norm = _optimiser_step(
+                learner, loss, params, cfg, info, monitor, snapshot, logger, step,
+                agreement=(agreement, actor_params) if epoch == 0 else None,
+            )  # fmt: skip
+            if norm is None:  # skipped: the last good state is back
                 skipped += 1
                 continue
-            if epoch == 0:  # disjoint minibatches of one rollout: do their gradients agree?
-                agreement.update(actor_params)
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))  # 0 disables
-            monitor.update(norm, step=step)
-            learner.scaler.step(learner.actor_optim)
-            learner.scaler.step(learner.critic_optim)
-            learner.scaler.update()
             if cfg.target_kl > 0:  # bound this step itself (the first one is bounded by nothing else)
                 kl_after = rank_mean(
                     _kl_after_step(policy, chain, old_logp, mb, obs, reuse_cond, runtime),

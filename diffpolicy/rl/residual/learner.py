@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.config import TrainConfig
+from diffpolicy.config import ResidualConfig, TrainConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, seed_for_rank
 from diffpolicy.env_factory import make_envs
@@ -45,7 +45,7 @@ def residual_description(head: ResidualHead, hidden: list[int]) -> dict[str, Any
     return {"alpha": head.alpha, "hidden": list(hidden), "cond_dim": head.cond_dim}
 
 
-@register("residual")
+@register(ResidualConfig)
 class ResidualLearner:
     """Residual PPO over control steps on top of the frozen ``base`` policy."""
 
