@@ -21,6 +21,7 @@ where at least one succeeded (:func:`diffpolicy.evaluation.reachability`).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -78,6 +79,8 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     policy, env_cfg, ckpt = load_policy(
         cfg.checkpoint, runtime.device, env_overrides={"num_envs": cfg.num_envs}
     )
+    if cfg.env_kwargs:
+        env_cfg = dataclasses.replace(env_cfg, kwargs={**env_cfg.kwargs, **cfg.env_kwargs})
     deterministic, protocol, source = sampling_protocol(ckpt, cfg.deterministic, cfg.protocol)
     apply_protocol(policy, protocol)
     runtime.manual_seed(cfg.eval_seed)
@@ -106,6 +109,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         # noise_free | exploration, and whence: the checkpoint's own (what train reported), override, default
         "protocol": protocol,
         "protocol_from": source,
+        **({"env_kwargs": dict(cfg.env_kwargs)} if cfg.env_kwargs else {}),  # changed for this evaluation
     }
     if cfg.reachability_tries > 0:
         failed_at = [i for i, ok in enumerate(result.successes) if not ok]

@@ -122,6 +122,47 @@ def test_state_mode_is_metaworlds_vector_and_time_limit_truncates() -> None:
         e.close()
 
 
+def test_state_noise_offsets_each_position_for_the_whole_episode() -> None:
+    """``state_noise``: one offset per position (object, second object; the goal with ``state_noise_on=all``)
+    for the episode, in this frame and the previous one alike; the hand, gripper and quaternions are
+    untouched, the expert reads the truth."""
+    clean, noisy = (
+        MetaWorldEnv("push", obs_mode="state"),
+        MetaWorldEnv("push", obs_mode="state", state_noise=0.02, state_noise_on="all"),
+    )
+    try:
+        a, _ = clean.reset(seed=3)
+        clean_state = a["state"].copy()
+        b, _ = noisy.reset(seed=3)
+        d0 = b["state"] - a["state"]
+        moved = [i for i in range(39) if abs(d0[i]) > 1e-7]
+        assert set(moved) <= set(range(4, 7)) | set(range(11, 14)) | set(range(22, 25)) | set(
+            range(29, 32)
+        ) | {36, 37, 38}
+        assert len(moved) >= 6 and np.abs(d0).max() < 0.02 * 6
+        np.testing.assert_allclose(d0[4:7], d0[22:25], atol=1e-6)  # the same offset in both frames
+        act = np.array([0.5, 0.0, 0.0, 0.0], np.float32)
+        a, b = clean.step(act)[0], noisy.step(act)[0]
+        np.testing.assert_allclose(b["state"] - a["state"], d0, atol=1e-6)  # held over the episode
+        np.testing.assert_allclose(noisy.full_state, clean.full_state)  # what the expert reads
+        again, _ = noisy.reset(seed=3)
+        np.testing.assert_allclose(again["state"] - clean.reset(seed=3)[0]["state"], d0, atol=1e-6)  # seeded
+        assert np.abs(noisy.reset(seed=4)[0]["state"] - clean.reset(seed=4)[0]["state"] - d0).max() > 1e-4
+    finally:
+        clean.close()
+        noisy.close()
+    objects = MetaWorldEnv("push", obs_mode="state", state_noise=0.02)  # the default leaves the goal true
+    try:
+        d = objects.reset(seed=3)[0]["state"] - clean_state
+        assert np.abs(d[4:7]).max() > 1e-4 and np.abs(d[36:39]).max() == 0.0
+    finally:
+        objects.close()
+    with pytest.raises(ValueError, match="state_noise"):
+        MetaWorldEnv("push", obs_mode="multimodal", state_noise=0.01)
+    with pytest.raises(ValueError, match="state_noise_on"):
+        MetaWorldEnv("push", obs_mode="state", state_noise=0.01, state_noise_on="hand")
+
+
 @pytest.mark.parametrize("task", ["reach", "button-press"])
 def test_scripted_expert_succeeds_and_the_episode_ends_on_success(task: str) -> None:
     env = gym.make("diffpolicy_envs:MetaWorld-v0", task=task, obs_mode="state")

@@ -220,6 +220,10 @@ class EvaluateConfig:
     explore_hold: str = "step"
     """Reachability: step (fresh noise every control step, as a per-step residual explores) | chunk (one
     draw per decision, held over its Te steps: temporally correlated)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Environment keyword arguments changed for this evaluation only, over the checkpoint's ``env.kwargs``
+    (``+env_kwargs.state_noise=0.015`` evaluates a Meta-World state policy with its positions off by that
+    much); the summary records them. An argument the environment does not take fails in one line."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:
@@ -295,6 +299,10 @@ class ExportConfig:
     """Seed of the parity check's observations and noise."""
     text_backend: str = ""
     """Instruction embedder: '' (the checkpoint's, else minilm) | minilm (shipped MiniLM) | hash (tests)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Environment keyword arguments changed for this evaluation only, over the checkpoint's ``env.kwargs``
+    (``+env_kwargs.state_noise=0.015`` evaluates a Meta-World state policy with its positions off by that
+    much); the summary records them. An argument the environment does not take fails in one line."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:
@@ -346,6 +354,10 @@ class ServeConfig:
     """Base + residual: sessions whose chunk is kept at most (the least recently served is forgotten)."""
     text_backend: str = ""
     """Instruction embedder: '' (the checkpoint's, else minilm) | minilm (shipped MiniLM) | hash (tests)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Environment keyword arguments changed for this evaluation only, over the checkpoint's ``env.kwargs``
+    (``+env_kwargs.state_noise=0.015`` evaluates a Meta-World state policy with its positions off by that
+    much); the summary records them. An argument the environment does not take fails in one line."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:

@@ -86,6 +86,12 @@ OUTCOMES = ("success", "never_reached", "never_grasped", "timed_out")
 """Values of ``info["outcome"]``."""
 STATE_DIM = {"multimodal": 9, "state": 39}
 LABELS = {"object": [4, 5, 6], "goal": [36, 37, 38], "both": [4, 5, 6, 36, 37, 38]}
+STATE_POSITIONS = {"object": (4, 22), "second object": (11, 29), "goal": (36,)}
+"""Where each position (x, y, z) starts in the 39-D state: the objects' in this frame and the previous one
+(their quaternions are not positions), the goal's once."""
+NOISED_POSITIONS = {"objects": ("object", "second object"), "all": tuple(STATE_POSITIONS)}
+"""Which positions ``state_noise`` offsets: the objects only (a goal whose training range is millimetres, such
+as coffee-push's height, would otherwise be pushed far outside it by the normaliser), or the goal too."""
 """``label`` -> the indices of Meta-World's 39-D vector that ``info["target_pos"]`` holds (BC's privileged
 training label): the first object's position, the goal's, or both."""
 
@@ -214,6 +220,12 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         obs_every: render ``rgb``/``points`` on every k-th step only, repeating them in between.
         time_limit: truncate after this many control steps (``gymnasium.make``'s ``max_episode_steps``
             wraps another time limit around it; the registration's is the same 200).
+        state_noise: ``obs_mode="state"`` only: std (m, per axis) of an offset drawn once per episode for
+            each position of :data:`STATE_POSITIONS` (object, second object, goal) and added to it in every
+            observation, as a perception's estimate would be off; what a state policy tolerates of such an
+            error. The scripted expert and the success test read the true state. 0 (default) adds none.
+        state_noise_on: which positions ``state_noise`` offsets (:data:`NOISED_POSITIONS`): ``objects``
+            (default) or ``all`` (the goal too).
         render_mode: ``rgb_array`` for :meth:`render` (the camera image, for videos).
     """
 
@@ -235,6 +247,8 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         label: str = "object",
         obs_every: int = 1,
         time_limit: int = 200,
+        state_noise: float = 0.0,
+        state_noise_on: str = "objects",
         render_mode: str | None = None,
     ) -> None:
         self.task = task_name(task)
@@ -245,6 +259,10 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if time_limit < 1:
             raise ValueError(f"time_limit must be >= 1, got {time_limit}")
+        if state_noise < 0 or (state_noise > 0 and obs_mode != "state"):
+            raise ValueError(f"state_noise={state_noise} must be >= 0 (m), and is for obs_mode=state only")
+        if state_noise_on not in NOISED_POSITIONS:
+            raise ValueError(f"state_noise_on={state_noise_on!r} is not allowed; choose objects or all")
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"render_mode={render_mode!r} is not supported; use rgb_array or None")
         env_dict = import_metaworld()
@@ -287,6 +305,9 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         self._label = LABELS[label]
         self.obs_every = int(obs_every)
         self.time_limit = int(time_limit)
+        self.state_noise = float(state_noise)
+        self._noised = [STATE_POSITIONS[name] for name in NOISED_POSITIONS[state_noise_on]]
+        self._state_offset = np.zeros(39)
         self.render_mode = render_mode
         self.instruction = INSTRUCTIONS[self.task]
         self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
@@ -322,6 +343,12 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
         mujoco.mj_forward(self.model, self.data)
         self._full_state = np.asarray(obs, dtype=np.float64)
         self._elapsed, self._near, self._grasped = 0, False, False
+        if self.state_noise > 0:  # one offset per position for the whole episode, from the seeded generator
+            self._state_offset[:] = 0.0
+            for starts in self._noised:
+                offset = self.np_random.normal(0.0, self.state_noise, 3)
+                for i in starts:
+                    self._state_offset[i : i + 3] = offset
         if self.obs_mode == "multimodal":
             self._render_obs()
         return self._get_obs(), self._info(False)
@@ -398,7 +425,7 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
 
     def _get_obs(self) -> dict[str, Any]:
         if self.obs_mode == "state":
-            return {"state": self._full_state.astype(np.float32)}
+            return {"state": (self._full_state + self._state_offset).astype(np.float32)}
         return {
             "state": self._proprio(),
             "rgb": self._rgb.copy(),
