@@ -241,3 +241,22 @@ def test_return_interval_against_tabulated_t_quantiles() -> None:
     assert all(np.isnan(evaluation.mean_interval([3.0])))
     result = evaluation.EvalResult(0.0, 6.0, 11, 0, [False] * 11, returns=values)
     assert result.return_ci() == (lo, hi)
+
+
+def test_env_kwargs_change_the_environment_for_this_evaluation_only(tmp_path):
+    """``env_kwargs`` are merged over the checkpoint's ``env.kwargs`` for one evaluation (the same episodes
+    then score differently) and recorded in the summary; the checkpoint is untouched."""
+    from diffpolicy import checkpoint, evaluate
+
+    policy = _small_policy()
+    root = tmp_path / "checkpoints"
+    save_policy(root, 5, policy, env_cfg=REACH, policy_cfg=SMALL, extra={"protocol": "noise_free"})
+    cfg = EvaluateConfig(checkpoint=str(root), n_episodes=2, num_envs=2, video_episodes=0)
+    plain = evaluate.main(cfg, tmp_path / "a")
+    weights = {"success": 0.0, "collision": 0.0, "distance_improvement": 0.0}
+    changed = evaluate.main(
+        EvaluateConfig(**{**cfg.__dict__, "env_kwargs": {"reward_weights": weights}}), tmp_path / "b"
+    )
+    assert "env_kwargs" not in plain and changed["env_kwargs"] == {"reward_weights": weights}
+    assert plain["mean_return"] != 0.0 and changed["mean_return"] == 0.0
+    assert "reward_weights" not in checkpoint.load(root).config["env"]["kwargs"]
