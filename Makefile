@@ -54,11 +54,21 @@ test: $(STAMP)  ## the default test suite (CPU, ~minutes)
 test-all: $(STAMP)  ## also the slow training checks
 	$(PYTHON) -m pytest -q -m "slow or not slow" $(ARGS)
 
-bench: $(STAMP)  ## every benchmark, one JSON line each, into runs/bench.jsonl
+# Every benchmark of diffpolicy.bench.BENCHMARKS except the long multi-run studies (diffpolicy.bench.STUDIES):
+# demos_curve trains and evaluates BC at several demonstration counts and redraws docs/demos_curve.png, so it is
+# run on its own (python -m diffpolicy.bench demos_curve). tests/test_bench.py checks this list.
+BENCH ?= env gae sampler bimodal ppo_update stabledrl scaling serve encoders bc_step
+
+bench: $(STAMP)  ## every benchmark (BENCH="gae env" picks some), one JSON line each, into runs/bench.jsonl
 	@mkdir -p runs
-	@for b in env gae sampler bimodal ppo_update scaling serve encoders bc_step; do \
-		$(PYTHON) -m diffpolicy.bench $$b | tail -n 1 | tee -a runs/bench.jsonl; \
-	done
+	@failed=""; for b in $(BENCH); do \
+		if $(PYTHON) -m diffpolicy.bench $$b > runs/.bench.out; then \
+			tail -n 1 runs/.bench.out | tee -a runs/bench.jsonl; \
+		else \
+			failed="$$failed $$b"; \
+		fi; \
+	done; rm -f runs/.bench.out; \
+	if [ -n "$$failed" ]; then echo "benchmarks failed:$$failed" >&2; exit 1; fi
 
 lint: $(STAMP)  ## ruff lint and format check
 	$(PYTHON) -m ruff check .

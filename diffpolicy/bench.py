@@ -3,7 +3,7 @@
 Each benchmark lives in ``diffpolicy/benchmarks/<name>.py`` and exposes ``run(**options) -> dict``.
 Timings are medians of repeated runs, with references measured in the same run; ``threads`` sets torch's
 intra-op threads (2 by default, this project's CI machine). Options: ``repeats=5 threads=2
-+options.key=value``.
++options.key=value``. ``make bench`` runs every one but the long studies (:data:`STUDIES`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,16 @@ BENCHMARKS = {
     "bimodal": "diffusion vs Gaussian BC on the bimodal ObstacleReach task",
     "ppo_update": "PPO update throughput (decisions per second)",
     "stabledrl": "standard PPO vs StableDRL clipping under 100x importance-ratio noise",
-    "scaling": "PPO environment steps per second with 1 and 2 processes",
+    "scaling": "training environment steps per second with 1 and 2 processes (algo=filtered_bc by default)",
     "serve": "gRPC action server latency and throughput",
     "encoders": "encoder forward+backward samples/s per modality at the BC batch size",
     "bc_step": "one BC optimiser step of the state task's policy at several batch sizes",
     "demos_curve": "held-out BC success against the number of demonstrations (and fine-tuned policies on it)",
 }
 """Benchmark names and what each measures."""
+
+STUDIES = ("demos_curve",)
+"""Benchmarks that are long multi-run studies, left out of ``make bench`` (the Makefile's ``BENCH``)."""
 
 
 def _job(name: str):

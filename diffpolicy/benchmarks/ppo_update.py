@@ -1,13 +1,16 @@
 """PPO update throughput: decisions per second through forward + backward + optimiser step.
 
-Builds the default multimodal policy (unet_small, fp32) for MujocoPick-v0's observation spec, fills a
-rollout buffer with T x N decisions whose observations and chains come from the policy itself on real
-environment observations, and times :func:`diffpolicy.rl.chain.update.ppo_update` (one epoch per timed run, KL
-early stop disabled). ``decisions_per_s`` = decisions in the epoch / median seconds per epoch.
+Composes ``train`` with ``algo=ppo`` (the chain PPO learner), builds ``policy`` (default unet_small, fp32) for
+the default env's observation (``modalities`` in the result) with the learner's K', fills a rollout buffer
+with T x N decisions whose observations and chains come from the policy itself on real environment
+observations, and times :func:`diffpolicy.rl.chain.update.ppo_update` with ``algo=ppo``'s settings (one epoch
+per timed run, KL early stop disabled). ``decisions_per_s`` = decisions in the epoch / median seconds per
+epoch. ``residual`` times the residual learner's update (:func:`residual_run`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -15,7 +18,6 @@ from typing import Any
 import torch
 
 from diffpolicy.cli import compose
-from diffpolicy.config import ChainConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo
 from diffpolicy.env_factory import make_envs
@@ -41,16 +43,18 @@ def run(
     """Median decisions/s of one PPO epoch over T x N decisions (``num_envs`` x ``n_steps``)."""
     cfg = compose(
         "train",
-        [f"policy={policy}", f"env.num_envs={num_envs}", f"algo.n_steps={n_steps}", "device=cpu"],
+        ["algo=ppo", f"policy={policy}", f"env.num_envs={num_envs}", f"algo.n_steps={n_steps}", "device=cpu"],
+    )
+    # algo=ppo's settings, one epoch of ``minibatch_size`` minibatches without the KL early stop
+    algo = dataclasses.replace(
+        cfg.algo, update_epochs=1, minibatch_size=minibatch_size, target_kl=0.0, iterations=1
     )
     torch.manual_seed(0)
     rt = Runtime.from_config(cfg.device)
     spec, da = env_spec(cfg.env)
     pol = build_policy(cfg.policy, spec, da)
+    pol.set_sampling(ft_steps=algo.ft_steps, eta=algo.eta, min_std=algo.min_std)  # as train.py does
     critic = Critic(cfg.policy.cond_dim)
-    algo = ChainConfig(
-        update_epochs=1, minibatch_size=minibatch_size, target_kl=0.0, n_steps=n_steps, iterations=1
-    )
     learner = ChainModules(
         policy=pol,
         critic=critic,
@@ -89,6 +93,7 @@ def run(
         "decisions_per_s": decisions / seconds,
         "seconds_per_epoch": seconds,
         "decisions_per_epoch": decisions,
+        "algo": algo.name,
         "minibatch_size": minibatch_size,
         "policy": policy,
         "down_dims": list(cfg.policy.down_dims),
