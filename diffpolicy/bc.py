@@ -463,6 +463,7 @@ def pretrained_checkpoint(
     run_dir: str | Path | None = None,
     text_backend: str = "minilm",
     progress: bool = True,
+    timings: dict[str, float] | None = None,
 ) -> Path:
     """The cached BC checkpoint for these settings (``<cache_dir>/bc/<bc_key>``), trained first if missing.
 
@@ -470,6 +471,8 @@ def pretrained_checkpoint(
     ``bc_cfg.n_demos`` expert episodes from ``seed``). Training logs and intermediate checkpoints go to ``run_dir`` (default
     ``<cache_dir>/bc/<key>.run``); only the finished checkpoint is written into the cache, so an interrupted
     run never leaves a half-trained one there. ``progress`` shows progress bars when no ``logger`` is given.
+    ``timings``, when given, receives the seconds spent here: ``collect`` (reading or collecting the
+    demonstrations) and ``bc`` (training); neither when the checkpoint was cached.
     """
     root = Path(cache_dir) / "bc" / bc_key(env_cfg, policy_cfg, bc_cfg, seed)
     if checkpoint.exists(root):
@@ -477,11 +480,15 @@ def pretrained_checkpoint(
     run_dir = Path(run_dir) if run_dir is not None else root.with_name(root.name + ".run")
     own_logger = logger is None
     logger = logger or Logger(run_dir, tensorboard=False, progress=progress)
+    timings = timings if timings is not None else {}
     try:
+        t0 = time.perf_counter()
         demos, _ = demonstrations(env_cfg, bc_cfg, seed, cache_dir, progress=logger.progress)
+        timings["collect"] = time.perf_counter() - t0
         policy, metrics = behaviour_cloning(
             env_cfg, policy_cfg, bc_cfg, demos, runtime, logger, run_dir, seed, text_backend=text_backend
         )
+        timings["bc"] = time.perf_counter() - t0 - timings["collect"]
     finally:
         if own_logger:
             logger.close()

@@ -60,8 +60,12 @@ def iteration_seed(cfg: TrainConfig, info: DistInfo, iteration: int) -> int:
     return seed_for_rank(cfg.seed, info.rank) * 1_000_003 + 7919 * (iteration + 1)
 
 
-def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path) -> tuple[Any, Path]:
+def initial_policy(
+    cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path, timings: dict[str, float] | None = None
+) -> tuple[Any, Path]:
     """The policy PPO starts from: ``policy.init`` or the cached BC checkpoint (rank 0 trains it once).
+    ``timings`` receives this process's seconds of demonstration collection and BC (``collect``, ``bc``),
+    when it ran them.
 
     On first use of a cache, rank 0 alone collects the demonstrations and trains BC, which can take far
     longer than ``dist.timeout_s``; the other ranks wait in :func:`diffpolicy.distributed.main_rank_first`
@@ -85,6 +89,7 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
                 seed=cfg.seed,
                 run_dir=run_dir / "bc",
                 progress=cfg.log.progress,
+                timings=timings,
             )
 
         path = main_rank_first(  # rank 0 collects and trains on first use; the others then hit the cache
@@ -96,9 +101,7 @@ def initial_policy(cfg: TrainConfig, rt: Runtime, info: DistInfo, run_dir: Path)
             what="demonstration collection and behaviour cloning",
         )
     policy, _, _ = load_policy(path, rt.device)
-    if isinstance(
-        cfg.algo, SamplingConfig
-    ):  # the learner's K', eta and std floor, whatever the checkpoint used
+    if isinstance(cfg.algo, SamplingConfig):  # the learner's K', eta, std floor, whatever the checkpoint used
         a = cfg.algo
         policy.set_sampling(ft_steps=a.ft_steps, eta=a.eta, min_std=a.min_std)
     policy.sampler_backend = "compiled" if cfg.policy.compile else "auto"
@@ -150,6 +153,9 @@ class Progress:
     steps_timed: int = 0
     split: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     """This process's seconds of env stepping, policy sampling and updates."""
+    stages: dict[str, float] = field(default_factory=dict)
+    """This process's seconds outside the iterations: ``collect`` and ``bc`` (when the BC was not cached),
+    ``bc_eval`` (BC's held-out evaluation, when not restored from a checkpoint), ``eval`` (the final one)."""
 
 
 def fine_tune(
@@ -158,16 +164,20 @@ def fine_tune(
     """BC evaluation, iterations of the learner ``algo=`` chose (chain, residual, fpo, filtered_bc), evaluation;
     -> (summary, learner)."""
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
-    policy, init_path = initial_policy(cfg, rt, info, run_dir)
+    stages: dict[str, float] = {}
+    policy, init_path = initial_policy(cfg, rt, info, run_dir, stages)
     # again: BC trained here (an empty cache) draws from the global RNG streams, BC read from the cache does
     # not; fine-tuning must start from the same streams either way (a run is a function of config and seed)
     rt.manual_seed(seed_for_rank(cfg.seed, info.rank))
     learner = make_learner(cfg, rt, info, policy, logger)
     guard = RollbackGuard(cfg.algo.rollback_drop, logger=logger)
     progress = resume(cfg, run_dir, rt, info, logger, learner, guard)
+    progress.stages.update(stages)
     broadcast_parameters(learner.modules(), info)
     if progress.bc is None:
+        t0 = time.perf_counter()
         progress.bc = evaluate_bc(cfg, rt, info, logger, learner)
+        progress.stages["bc_eval"] = time.perf_counter() - t0
     # an env without a success notion (Hopper) gets no success metrics, curve or summary fields: None, not 0.0
     goal = bool(progress.bc.get("reports_success", True))
     guard.relative = not goal  # without success the guard judges the mean return
@@ -322,8 +332,10 @@ def summarize(
     progress: Progress, goal: bool, start: float,
 ) -> dict[str, Any]:  # fmt: skip
     """After fine-tuning (rank 0): the same held-out seeds as BC's, curves and a video; -> the summary."""
+    t0 = time.perf_counter()
     after_val = eval_record(held_out(learner.policy, cfg, rt, "val")) if cfg.val_episodes else None
     after = held_out(learner.policy, cfg, rt, "test")  # once, at the end: the reported figure
+    progress.stages["eval"] = time.perf_counter() - t0
     goal = goal and after.reports_success
     last = {"eval/mean_return": after.mean_return}
     if goal:
@@ -366,10 +378,13 @@ def summarize(
         "env_steps": progress.env_steps,
         "guard_env_steps": progress.guard_steps,  # the rollback guard's validation episodes
         "env_sps": round(progress.steps_timed / progress.seconds, 1) if progress.seconds > 0 else None,
+        # this process's seconds by stage (collect and bc: 0 when the BC came from the cache)
         "time_split_s": {
+            **{k: round(progress.stages.get(k, 0.0), 1) for k in ("collect", "bc", "bc_eval")},
             "env": round(progress.split[0], 1),
             "policy": round(progress.split[1], 1),
             "update": round(progress.split[2], 1),
+            "eval": round(progress.stages.get("eval", 0.0), 1),
         },
         "iterations": cfg.algo.iterations,
         "world_size": info.world_size,

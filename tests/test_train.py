@@ -375,6 +375,13 @@ def test_a_run_is_the_same_from_an_empty_and_from_a_warm_cache(tmp_path: Path) -
     assert {k: v for k, v in cold.items() if k not in volatile} == {
         k: v for k, v in warm.items() if k not in volatile
     }
+    # the time split names every stage; collection and BC ran in the cold run only
+    stages = ("collect", "bc", "bc_eval", "env", "policy", "update", "eval")
+    cold_s, warm_s = cold["time_split_s"], warm["time_split_s"]
+    assert tuple(cold_s) == stages and tuple(warm_s) == stages
+    assert cold_s["collect"] > 0 and cold_s["bc"] > 0 and warm_s["collect"] == warm_s["bc"] == 0.0
+    assert all(warm_s[k] > 0 for k in ("bc_eval", "env", "policy", "update", "eval"))
+    assert sum(cold_s.values()) <= cold["wall_time_s"] + 0.5
     a = checkpoint.load(tmp_path / "cold" / "checkpoints").state["policy"]
     b = checkpoint.load(tmp_path / "warm" / "checkpoints").state["policy"]
     assert all(torch.equal(a[k], b[k]) for k in a)
