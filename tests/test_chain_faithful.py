@@ -285,9 +285,14 @@ def test_the_update_moves_the_chain_toward_positive_advantages(sign: float) -> N
 def test_dppo_entry_composes_with_its_policy_settings() -> None:
     cfg = compose("train", ["algo=dppo"])
     want = dict(name="dppo", advantage="gae", clip_eps=1e-3, clip_eps_final=1e-2, logprob_min_std=0.1,
-                logprob_clamp=[-5.0, 2.0], noise_clip=3.0, update_epochs=10, lr=1e-5, critic_lr=1e-3,
-                gamma=0.999, gae_lambda=0.95, denoise_gamma=0.99, target_kl=1.0, critic_warmup=2)  # fmt: skip
+                logprob_clamp=[-5.0, 2.0], noise_clip=3.0, update_epochs=10, lr=1e-4, critic_lr=1e-3,
+                gamma=0.999, gae_lambda=0.95, denoise_gamma=0.99, target_kl=1.0, critic_warmup=2,
+                reward_scale="running", max_grad_norm=0.0, iterations=151)  # fmt: skip
     assert {k: getattr(cfg.algo, k) for k in want} == want
+    # DPPO HEAD's 20 minibatches per epoch (7500 of 150 000 pairs): 1/20 of the rollout's decisions
+    assert cfg.algo.n_steps * cfg.env.num_envs == 20 * cfg.algo.minibatch_size
+    gym = compose("train", ["env=hopper"]).algo
+    assert (gym.name, gym.reward_scale, gym.max_grad_norm) == ("dppo_gym", "running", 0.0)
     assert (cfg.algo.ft_steps, cfg.policy.ddim_steps, cfg.algo.min_std) == (5, 10, 0.1)
     # the policy group can still be swapped and the command line still wins
     assert compose("train", ["algo=dppo", "policy=unet_large"]).algo.ft_steps == 5

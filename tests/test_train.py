@@ -170,6 +170,32 @@ def _update(head) -> dict[str, float]:
     return head.update(seed=2, step=0, iteration=0)
 
 
+def test_running_reward_scale_reaches_gae_and_survives_a_checkpoint(
+    tmp_path: Path, init_ckpt: Path, monkeypatch
+) -> None:
+    """algo.reward_scale=running: GAE receives the rollout's rewards divided by the scaler's running std
+    (which holds this rollout's discounted sums), and the learner's state carries the scaler."""
+    import diffpolicy.rl.chain.learner as chain
+
+    seen = []
+    real = chain.gae_advantages
+
+    def recording(rewards, *args):
+        seen.append(rewards.clone())
+        return real(rewards, *args)
+
+    monkeypatch.setattr(chain, "gae_advantages", recording)
+    plain = _chain_head(tmp_path, init_ckpt, shift=False)
+    scaled = _chain_head(tmp_path, init_ckpt, "algo.reward_scale=running", shift=False)
+    assert plain.reward_scaler is None and scaled.reward_scaler.count > 1.0
+    raw = scaled.buffer.get()["rewards"]
+    torch.testing.assert_close(seen[0], plain.buffer.get()["rewards"])  # without the option: as the env gave
+    std = (scaled.reward_scaler.var + scaled.reward_scaler.eps) ** 0.5
+    torch.testing.assert_close(seen[1], (raw / std).clamp(-10, 10))
+    assert abs(std - 1.0) > 1e-3  # the scale moved off its prior
+    assert scaled.state()["reward_scaler"]["count"] == scaled.reward_scaler.count
+
+
 def test_grpo_advantages_are_group_normalised(tmp_path: Path, init_ckpt: Path) -> None:
     """algo.advantage=grpo: G = 2 environments share each reset seed, every decision of an environment's
     first episode carries (R - mean_group R) / std_group R of that episode's return, and no critic learns."""

@@ -124,3 +124,51 @@ def denoise_discount(adv: Tensor, ft_steps: int, gamma_denoise: float) -> Tensor
     k = torch.arange(ft_steps, device=adv.device, dtype=torch.float32)  # (K',)
     weights = torch.pow(torch.tensor(float(gamma_denoise), device=adv.device), ft_steps - 1 - k)  # (K',)
     return adv.float()[:, None] * weights[None, :]  # (B, K')
+
+
+class RunningRewardScaler:
+    """Rewards divided by the running std of their backward-discounted sums (DPPO's ``reward_scale_running``,
+    after OpenAI Baselines' reward normaliser): the scale of the returns without the future, so that actor
+    and critic losses keep their balance whatever the environment's reward units.
+
+    Per environment, ret_t = r_t + gamma (1 - first_t) ret_{t-1}, carried from one rollout to the next
+    (first_t: decision t starts an episode, i.e. the decision before it ended one). The moments of every ret
+    seen so far are merged batch by batch (pairwise update, starting from count 1e-4 at mean 0 and variance 1,
+    the variance divided by count - 1 as DPPO's ``RunningMeanStd`` does); each reward is divided by
+    sqrt(var + eps) and clipped to [-clip, clip]. The mean is not subtracted, so signs are kept. The
+    statistics are this process's (each rank scales its own rollouts).
+    """
+
+    def __init__(self, num_envs: int, gamma: float = 0.99, clip: float = 10.0, eps: float = 1e-8) -> None:
+        self.gamma, self.clip, self.eps = gamma, clip, eps
+        self.ret = torch.zeros(num_envs, dtype=torch.float64)
+        self.last_done = torch.ones(num_envs, dtype=torch.float64)  # the first rollout starts episodes
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+
+    @torch.no_grad()
+    def __call__(self, rewards: Tensor, dones: Tensor) -> Tensor:
+        """rewards, dones (T, N) of one rollout (dones: the episode ended at that decision) -> scaled (T, N),
+        after merging this rollout's discounted sums into the statistics."""
+        r, d = rewards.double().cpu(), dones.double().cpu()
+        first = torch.cat([self.last_done[None], d[:-1]])  # (T, N)
+        rets = torch.empty_like(r)
+        prev = self.ret
+        for t in range(r.shape[0]):
+            prev = rets[t] = r[t] + self.gamma * (1.0 - first[t]) * prev
+        self.ret, self.last_done = rets[-1].clone(), d[-1].clone()
+        batch = rets.flatten()
+        b_mean, b_var, b_count = float(batch.mean()), float(batch.var(unbiased=False)), batch.numel()
+        delta, total = b_mean - self.mean, self.count + b_count
+        m2 = self.var * self.count + b_var * b_count + delta**2 * self.count * b_count / total
+        self.mean, self.var, self.count = self.mean + delta * b_count / total, m2 / (total - 1), total
+        scale = (self.var + self.eps) ** 0.5
+        return (rewards / scale).clamp(-self.clip, self.clip)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"ret": self.ret.tolist(), "last_done": self.last_done.tolist(), "mean": self.mean,
+                "var": self.var, "count": self.count}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.ret = torch.tensor(state["ret"], dtype=torch.float64)
+        self.last_done = torch.tensor(state["last_done"], dtype=torch.float64)
+        self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), float(state["count"])

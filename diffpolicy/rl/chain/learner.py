@@ -21,7 +21,7 @@ from diffpolicy.distributed import DistInfo, seed_for_rank
 from diffpolicy.env_factory import make_envs
 from diffpolicy.modalities import MODALITIES
 from diffpolicy.models.critic import Critic
-from diffpolicy.rl.advantages import gae_advantages, grpo_advantages
+from diffpolicy.rl.advantages import RunningRewardScaler, gae_advantages, grpo_advantages
 from diffpolicy.rl.buffer import TEXT, RolloutBuffer, ppo_specs
 from diffpolicy.rl.chain.rollout import collect_rollout
 from diffpolicy.rl.chain.update import ChainModules, ppo_update
@@ -84,6 +84,11 @@ class ChainLearner(PolicyLearner):
         )
         self.clip_eps = clip_schedule(algo.clip_eps, algo.clip_eps_final, policy.ft_steps, rt.device)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.reward_scaler = (  # DPPO's running scaler keeps its own discount of 0.99, whatever algo.gamma
+            RunningRewardScaler(cfg.env.num_envs)
+            if algo.reward_scale == "running" and not self.grpo
+            else None
+        )
 
     def begin(self) -> None:
         """Called once the starting weights are in place (fresh or resumed): the NaN guard's first snapshot."""
@@ -106,8 +111,11 @@ class ChainLearner(PolicyLearner):
         """(T, N) advantages and value targets: GAE over decisions, or group-relative episode returns."""
         data, algo = self.buffer.get(), self.cfg.algo
         if not self.grpo:
+            rewards = data["rewards"]
+            if self.reward_scaler is not None:  # the critic then learns returns in the scaled units
+                rewards = self.reward_scaler(rewards, data["dones"]).to(rewards.device, rewards.dtype)
             return gae_advantages(
-                data["rewards"], data["values"], data["dones"], last_value, algo.gamma, algo.gae_lambda
+                rewards, data["values"], data["dones"], last_value, algo.gamma, algo.gae_lambda
             )
         first = data["rewards"] * data["valid"]  # (T, N) rewards of each env's first episode
         episode_return = first.sum(0).view(-1, algo.group_size)  # (N / G, G)
@@ -130,6 +138,7 @@ class ChainLearner(PolicyLearner):
     def state(self) -> dict[str, Any]:
         learner, monitor = self.learner, self.monitor
         return {
+            **({"reward_scaler": self.reward_scaler.state_dict()} if self.reward_scaler is not None else {}),
             "critic": learner.critic.state_dict(),
             "actor_optim": learner.actor_optim.state_dict(),
             "critic_optim": learner.critic_optim.state_dict(),
@@ -149,6 +158,8 @@ class ChainLearner(PolicyLearner):
         learner.critic_optim.load_state_dict(state["critic_optim"])
         if state.get("scaler"):
             learner.scaler.load_state_dict(state["scaler"])
+        if self.reward_scaler is not None and "reward_scaler" in state:
+            self.reward_scaler.load_state_dict(state["reward_scaler"])
         monitor.history.clear()
         monitor.history.extend(float(v) for v in state["monitor"]["history"])
         monitor.spikes, monitor.updates = state["monitor"]["spikes"], state["monitor"]["updates"]
