@@ -103,16 +103,14 @@ def test_denoise_discount_weights_final_step_one() -> None:
 def _scaler_reference(reward_chunks, done_chunks, gamma=0.99, clip=10.0, eps=1e-8):
     """DPPO's running reward scaling as a plain float loop: returns each chunk's scaled rewards (T, N) lists."""
     n = len(reward_chunks[0][0])
-    ret, last_done = [0.0] * n, [1.0] * n
     mean, var, count = 0.0, 1.0, 1e-4
     out = []
     for rewards, dones in zip(reward_chunks, done_chunks):
-        rets = []
+        rets, ret = [], [0.0] * n  # each rollout starts its episodes (its environments are reset)
         for t, row in enumerate(rewards):
-            first = last_done if t == 0 else dones[t - 1]
+            first = [1.0] * n if t == 0 else dones[t - 1]
             ret = [row[i] + gamma * (1.0 - first[i]) * ret[i] for i in range(n)]
             rets.extend(ret)
-        last_done = dones[-1]
         b_mean = sum(rets) / len(rets)
         b_var = sum((x - b_mean) ** 2 for x in rets) / len(rets)
         total = count + len(rets)
@@ -125,9 +123,9 @@ def _scaler_reference(reward_chunks, done_chunks, gamma=0.99, clip=10.0, eps=1e-
 
 
 def test_running_reward_scaler_against_a_looped_reference() -> None:
-    """Three rollouts of (T=5, N=3) rewards with episode ends: the scaled rewards match the float loop, the
-    discounted sums carry across rollouts and restart after an episode's end, and a scaler restored from its
-    state continues identically."""
+    """Three rollouts of (T=5, N=3) rewards with episode ends: the scaled rewards match the float loop (the
+    discounted sums restart after an episode's end and at each rollout, the statistics carry over), and a
+    scaler restored from its state continues identically."""
     from diffpolicy.rl.advantages import RunningRewardScaler
 
     g = torch.Generator().manual_seed(0)

@@ -33,6 +33,7 @@ def _step(i: int, device: torch.device) -> dict:
         "logprobs": torch.full((N, Kp), float(i), device=device),
         "values": torch.full((N,), float(i), device=device),
         "rewards": torch.full((N,), float(i), device=device),
+        "bootstraps": torch.zeros(N, device=device),
         "dones": torch.zeros(N, device=device),
     }
 

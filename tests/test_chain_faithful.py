@@ -101,6 +101,8 @@ def test_grpo_returns_ignore_the_critic(bootstrap: bool) -> None:
     rewards = buffer.get()["rewards"]  # (T, N): 2 steps, then the 3rd step and the cut
     cut = 1.0 + (0.5 * 1e6 if bootstrap else 0.0)
     torch.testing.assert_close(rewards, torch.tensor([[2.0, 2.0], [cut, cut]]))
+    boot = 0.5 * 1e6 if bootstrap else 0.0  # the bootstrap part alone, so that a reward scaler can skip it
+    torch.testing.assert_close(buffer.get()["bootstraps"], torch.tensor([[0.0, 0.0], [boot, boot]]))
 
 
 # -------------------------------------------------------------- (2) frozen pre-trained denoiser, K' < K
@@ -222,7 +224,7 @@ def _update(
         o = {"state": torch.randn(N, 1, 5, generator=torch.Generator().manual_seed(10 + t))}
         out = p.sample(o, return_chain=True, generator=torch.Generator().manual_seed(t))
         buffer.add(state=o["state"][:, 0], chains=out.chain, logprobs=out.log_probs, values=0.0, rewards=0.0,
-                   dones=0.0, valid=1.0, cond=out.cond)  # fmt: skip
+                   bootstraps=0.0, dones=0.0, valid=1.0, cond=out.cond)  # fmt: skip
     critic = Critic(16, hidden=(8,))
     learner = ChainModules(p, critic, torch.optim.Adam(p.parameters(), lr=lr), torch.optim.Adam(critic.parameters()),
                       torch.amp.GradScaler("cpu", enabled=False))  # fmt: skip
@@ -291,6 +293,8 @@ def test_dppo_entry_composes_with_its_policy_settings() -> None:
     assert {k: getattr(cfg.algo, k) for k in want} == want
     # DPPO HEAD's 20 minibatches per epoch (7500 of 150 000 pairs): 1/20 of the rollout's decisions
     assert cfg.algo.n_steps * cfg.env.num_envs == 20 * cfg.algo.minibatch_size
+    pre = compose("pretrain", ["algo=dppo"]).algo  # pretrain judges BC with the learner's sampling too
+    assert (pre.ft_steps, pre.min_std) == (cfg.algo.ft_steps, cfg.algo.min_std)
     gym = compose("train", ["env=hopper"]).algo
     assert (gym.name, gym.reward_scale, gym.max_grad_norm) == ("dppo_gym", "running", 0.0)
     assert (cfg.algo.ft_steps, cfg.policy.ddim_steps, cfg.algo.min_std) == (5, 10, 0.1)

@@ -176,6 +176,8 @@ class PretrainConfig:
             self.policy, self.bc = derive_from_obs_mode(self.env, self.policy, self.bc, self.demos)
         self.cache_dir = self.cache_dir or default_cache_dir()
         self.algo = as_learner(self.algo)  # its class says how BC is judged (judged_noise_free)
+        if isinstance(self.algo, SamplingConfig) and isinstance(self.policy, PolicyConfig):
+            self.algo.resolve_ft_steps(self.policy.ddim_steps)  # BC is judged as train's learner samples
         _positive("seed", self.seed, allow_zero=True)
         _positive("eval_episodes", self.eval_episodes, allow_zero=True)
         check_splits(self.val_seed, self.val_episodes, self.eval_seed, self.eval_episodes)
@@ -299,10 +301,6 @@ class ExportConfig:
     """Seed of the parity check's observations and noise."""
     text_backend: str = ""
     """Instruction embedder: '' (the checkpoint's, else minilm) | minilm (shipped MiniLM) | hash (tests)."""
-    env_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Environment keyword arguments changed for this evaluation only, over the checkpoint's ``env.kwargs``
-    (``+env_kwargs.state_noise=0.015`` evaluates a Meta-World state policy with its positions off by that
-    much); the summary records them. An argument the environment does not take fails in one line."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:
@@ -354,10 +352,6 @@ class ServeConfig:
     """Base + residual: sessions whose chunk is kept at most (the least recently served is forgotten)."""
     text_backend: str = ""
     """Instruction embedder: '' (the checkpoint's, else minilm) | minilm (shipped MiniLM) | hash (tests)."""
-    env_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Environment keyword arguments changed for this evaluation only, over the checkpoint's ``env.kwargs``
-    (``+env_kwargs.state_noise=0.015`` evaluates a Meta-World state policy with its positions off by that
-    much); the summary records them. An argument the environment does not take fails in one line."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:

@@ -179,7 +179,8 @@ class ChainConfig(SamplingConfig, PPOConfig):
     reward_scale: str = "none"
     """none (rewards enter GAE as the env gives them) | running (DPPO's ``reward_scale_running``: each reward
     divided by the running std of the rewards' backward-discounted sums, discount 0.99, clipped to +-10;
-    :class:`~diffpolicy.rl.advantages.RunningRewardScaler`). GAE only (GRPO normalises its returns anyway)."""
+    :class:`~diffpolicy.rl.advantages.RunningRewardScaler`; a time-limit cut's bootstrap value is added after
+    scaling, being in the critic's units already). GAE only (GRPO normalises its returns anyway)."""
     finetune_encoders: bool = False
     """PPO also updates the observation encoders (re-encodes every minibatch: several times slower on a CPU);
     when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
@@ -194,6 +195,10 @@ class ChainConfig(SamplingConfig, PPOConfig):
         _choice("algo.normalize", self.normalize, ("mean", "self"))
         _choice("algo.reg", self.reg, ("none", "kl", "bc"))
         _choice("algo.reward_scale", self.reward_scale, ("none", "running"))
+        if self.reward_scale != "none" and self.advantage == "grpo":
+            raise ValueError(
+                "algo.reward_scale=running needs algo.advantage=gae (GRPO normalises its returns)"
+            )
         _positive("algo.group_size", self.group_size)
         _positive("algo.grad_monitor_window", self.grad_monitor_window)
         _positive("algo.grad_spike_sigma", self.grad_spike_sigma)

@@ -131,8 +131,10 @@ class RunningRewardScaler:
     after OpenAI Baselines' reward normaliser): the scale of the returns without the future, so that actor
     and critic losses keep their balance whatever the environment's reward units.
 
-    Per environment, ret_t = r_t + gamma (1 - first_t) ret_{t-1}, carried from one rollout to the next
-    (first_t: decision t starts an episode, i.e. the decision before it ended one). The moments of every ret
+    Per environment, ret_t = r_t + gamma (1 - first_t) ret_{t-1} (first_t: decision t starts an episode,
+    i.e. the decision before it ended one). Every rollout here starts by resetting its environments
+    (``collect_rollout``), so its first decisions start episodes and no sum carries over (DPPO's
+    ``firsts_trajs[0] = 1`` when it resets at an iteration). The moments of every ret
     seen so far are merged batch by batch (pairwise update, starting from count 1e-4 at mean 0 and variance 1,
     the variance divided by count - 1 as DPPO's ``RunningMeanStd`` does); each reward is divided by
     sqrt(var + eps) and clipped to [-clip, clip]. The mean is not subtracted, so signs are kept. The
@@ -140,9 +142,7 @@ class RunningRewardScaler:
     """
 
     def __init__(self, num_envs: int, gamma: float = 0.99, clip: float = 10.0, eps: float = 1e-8) -> None:
-        self.gamma, self.clip, self.eps = gamma, clip, eps
-        self.ret = torch.zeros(num_envs, dtype=torch.float64)
-        self.last_done = torch.ones(num_envs, dtype=torch.float64)  # the first rollout starts episodes
+        self.num_envs, self.gamma, self.clip, self.eps = num_envs, gamma, clip, eps
         self.mean, self.var, self.count = 0.0, 1.0, 1e-4
 
     @torch.no_grad()
@@ -150,12 +150,13 @@ class RunningRewardScaler:
         """rewards, dones (T, N) of one rollout (dones: the episode ended at that decision) -> scaled (T, N),
         after merging this rollout's discounted sums into the statistics."""
         r, d = rewards.double().cpu(), dones.double().cpu()
-        first = torch.cat([self.last_done[None], d[:-1]])  # (T, N)
+        if r.shape[1] != self.num_envs:
+            raise ValueError(f"rewards have {r.shape[1]} environments, the scaler {self.num_envs}")
+        first = torch.cat([torch.ones_like(d[:1]), d[:-1]])  # (T, N): the rollout starts its episodes
         rets = torch.empty_like(r)
-        prev = self.ret
+        prev = torch.zeros_like(r[0])
         for t in range(r.shape[0]):
             prev = rets[t] = r[t] + self.gamma * (1.0 - first[t]) * prev
-        self.ret, self.last_done = rets[-1].clone(), d[-1].clone()
         batch = rets.flatten()
         b_mean, b_var, b_count = float(batch.mean()), float(batch.var(unbiased=False)), batch.numel()
         delta, total = b_mean - self.mean, self.count + b_count
@@ -164,11 +165,8 @@ class RunningRewardScaler:
         scale = (self.var + self.eps) ** 0.5
         return (rewards / scale).clamp(-self.clip, self.clip)
 
-    def state_dict(self) -> dict[str, object]:
-        return {"ret": self.ret.tolist(), "last_done": self.last_done.tolist(), "mean": self.mean,
-                "var": self.var, "count": self.count}  # fmt: skip
+    def state_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.ret = torch.tensor(state["ret"], dtype=torch.float64)
-        self.last_done = torch.tensor(state["last_done"], dtype=torch.float64)
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), float(state["count"])

@@ -29,7 +29,7 @@ TEXT = str
 FieldSpec = tuple[Sequence[int], Any]
 """(per-decision-per-env shape, dtype): dtype is a ``torch.dtype``, its name (``"uint8"``) or :data:`TEXT`."""
 
-PPO_FIELDS = ("chains", "logprobs", "values", "rewards", "dones")
+PPO_FIELDS = ("chains", "logprobs", "values", "rewards", "bootstraps", "dones")
 """Fields :func:`ppo_specs` adds to the observation fields."""
 
 
@@ -46,7 +46,8 @@ def ppo_specs(
         action_dim: Da.
 
     Returns:
-        specs with ``chains`` (K'+1, Ta, Da), ``logprobs`` (K',), ``values``, ``rewards`` and ``dones`` (scalars
+        specs with ``chains`` (K'+1, Ta, Da), ``logprobs`` (K',), ``values``, ``rewards``, ``bootstraps`` (the
+        part of a reward that is a time-limit cut's bootstrap value) and ``dones`` (scalars
         per decision), all float32.
     """
     clash = sorted(set(obs_specs) & set(PPO_FIELDS))
@@ -59,6 +60,7 @@ def ppo_specs(
         "logprobs": ((ft_steps,), f32),
         "values": ((), f32),
         "rewards": ((), f32),
+        "bootstraps": ((), f32),
         "dones": ((), f32),
     }
 

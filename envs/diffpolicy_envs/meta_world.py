@@ -86,14 +86,14 @@ OUTCOMES = ("success", "never_reached", "never_grasped", "timed_out")
 """Values of ``info["outcome"]``."""
 STATE_DIM = {"multimodal": 9, "state": 39}
 LABELS = {"object": [4, 5, 6], "goal": [36, 37, 38], "both": [4, 5, 6, 36, 37, 38]}
+"""``label`` -> the indices of Meta-World's 39-D vector that ``info["target_pos"]`` holds (BC's privileged
+training label): the first object's position, the goal's, or both."""
 STATE_POSITIONS = {"object": (4, 22), "second object": (11, 29), "goal": (36,)}
 """Where each position (x, y, z) starts in the 39-D state: the objects' in this frame and the previous one
 (their quaternions are not positions), the goal's once."""
 NOISED_POSITIONS = {"objects": ("object", "second object"), "all": tuple(STATE_POSITIONS)}
 """Which positions ``state_noise`` offsets: the objects only (a goal whose training range is millimetres, such
 as coffee-push's height, would otherwise be pushed far outside it by the normaliser), or the goal too."""
-"""``label`` -> the indices of Meta-World's 39-D vector that ``info["target_pos"]`` holds (BC's privileged
-training label): the first object's position, the goal's, or both."""
 
 INSTRUCTIONS: dict[str, str] = {
     "assembly": "put the ring onto the peg",

@@ -112,8 +112,10 @@ class ChainLearner(PolicyLearner):
         data, algo = self.buffer.get(), self.cfg.algo
         if not self.grpo:
             rewards = data["rewards"]
-            if self.reward_scaler is not None:  # the critic then learns returns in the scaled units
-                rewards = self.reward_scaler(rewards, data["dones"]).to(rewards.device, rewards.dtype)
+            if self.reward_scaler is not None:  # the env's rewards scaled; a cut's bootstrap V is so already
+                boot = data["bootstraps"]
+                scaled = self.reward_scaler(rewards - boot, data["dones"])
+                rewards = scaled.to(rewards.device, rewards.dtype) + boot
             return gae_advantages(
                 rewards, data["values"], data["dones"], last_value, algo.gamma, algo.gae_lambda
             )

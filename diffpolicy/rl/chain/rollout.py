@@ -40,7 +40,8 @@ def collect_rollout(
 
     Each decision stores the observation, the fine-tuned chain (K'+1, Ta, Da) and its log-probs (K',), the
     critic's value, the reward (the sum of the executed Te rewards; on a time-limit truncation with
-    ``bootstrap``, ``gamma * V(final obs)`` is added, so GAE never bootstraps across episodes), ``dones``
+    ``bootstrap``, ``gamma * V(final obs)`` is added, so GAE never bootstraps across episodes; that part is
+    also stored alone as ``bootstraps``, so a reward scaler can leave it out), ``dones``
     and ``valid`` (0 for decisions after an environment's first episode when ``first_episode_only``, used by
     GRPO).
 
@@ -66,14 +67,17 @@ def collect_rollout(
         next_obs, reward, term, trunc, info = venv.step(actions)
         stats.policy_s, stats.env_s = stats.policy_s + t1 - t0, stats.env_s + time.perf_counter() - t1
         reward = reward.astype(np.float64)
+        ep_return += reward  # the env's rewards only
         executed = step_info(info, "executed", num_envs, actions.shape[1])
         stats.env_steps += int(executed.sum())
         cut = np.flatnonzero(trunc & ~term)
+        boot = np.zeros(num_envs)
         if bootstrap and cut.size:  # fold a cut's bootstrap into the reward (the GAE op's contract)
             final = to_policy_obs(stack_final_obs(info["final_obs"], cut), device)
             with autocast() if autocast is not None else torch.autocast("cpu", enabled=False):
                 v_final = critic(policy.encode(final, augment=False))
-            reward[cut] += gamma * v_final.float().cpu().numpy()
+            boot[cut] = gamma * v_final.float().cpu().numpy()
+            reward[cut] += boot[cut]
         done = term | trunc
         valid = ~finished if first_episode_only else np.ones(num_envs, dtype=bool)
         buffer.add(
@@ -82,11 +86,11 @@ def collect_rollout(
             logprobs=out.log_probs,
             values=values,
             rewards=torch.from_numpy(reward.astype(np.float32)),
+            bootstraps=torch.from_numpy(boot.astype(np.float32)),
             dones=torch.from_numpy(done.astype(np.float32)),
             valid=torch.from_numpy(valid.astype(np.float32)),
             **({"cond": out.cond} if "cond" in buffer.fields else {}),
         )
-        ep_return += reward
         succ = step_info(info, "is_success", num_envs, False).astype(bool)
         for i in np.flatnonzero(done & valid):
             stats.end_episode(ep_return[i], succ[i])
