@@ -49,7 +49,7 @@ from diffpolicy.evaluation import (
     record_video,
 )
 from diffpolicy.logger import Logger
-from diffpolicy.policy_io import load_policy, save_policy
+from diffpolicy.policy_io import load_policy, sampling_of, save_policy
 from diffpolicy.rl.learner import Learner, make_learner
 from diffpolicy.rl.stability import RollbackGuard
 
@@ -204,6 +204,12 @@ def resume(
     if not (cfg.resume and checkpoint.exists(ckpt_root)):
         return Progress()
     ckpt = checkpoint.load(ckpt_root, map_location=rt.device)
+    recorded, now = sampling_of(ckpt), getattr(learner.policy, "sampling", None)
+    if recorded and now is not None and recorded != now:  # the run's chains would change mid-run
+        raise ValueError(
+            f"resume: {ckpt.path} sampled its chains with {recorded}, this config with {now}; give the run's "
+            "algo.ft_steps / algo.eta / algo.min_std, or a new run directory"
+        )
     learner.load_state(ckpt.state)
     guard.best, guard.best_step = ckpt.state["guard"]["best"], ckpt.state["guard"]["best_step"]
     guard.stable_step = ckpt.state["guard"]["stable_step"]

@@ -109,6 +109,9 @@ def test_resume_after_a_stop_is_exact(
         r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] == 0 and "eval/mean_return" in r
     ]
     assert len(bc_rows) == 1  # the BC evaluation is carried in the checkpoint, not logged again
+    # resuming with other chain sampling than the run's would change its chains mid-run: one clear line
+    other = _train(tmp_path, init_ckpt, "resume=true", "algo.iterations=4", "algo.ft_steps=1")
+    assert other.returncode == 2 and "resume:" in other.stderr.strip().splitlines()[-1], other.stderr[-2000:]
 
 
 def test_sigkill_mid_run_then_resume_matches(
