@@ -280,8 +280,12 @@ class LossWindow:
     head, of its loss and its error (logged in cm)."""
 
     def __init__(self) -> None:
-        self.n, self.loss, self.aux, self.aux_error = 0, 0.0, 0.0, 0.0
         self.with_aux = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window."""
+        self.n, self.loss, self.aux, self.aux_error = 0, 0.0, 0.0, 0.0
 
     def add(self, loss: float, aux_loss: torch.Tensor | None = None, aux_error: Any = None) -> None:
         """One step's BC loss (and the auxiliary head's loss and error when it exists)."""
@@ -301,7 +305,7 @@ class LossWindow:
                 "train/target_error_cm": 100 * self.aux_error / self.n,
             }
         logger.log(scalars, step)
-        self.__init__()
+        self.reset()
 
 
 def log_epoch(

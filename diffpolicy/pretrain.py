@@ -46,9 +46,8 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
         summary["cached"] = str(
             publish(policy, cfg.env, cfg.policy, Path(cfg.cache_dir) / "bc" / key, metrics, demos)
         )
-        if isinstance(cfg.algo, SamplingConfig) and hasattr(policy, "set_sampling"):
-            a = cfg.algo  # judged as train judges it: with the learner's K', eta and std floor
-            policy.set_sampling(ft_steps=a.ft_steps, eta=a.eta, min_std=a.min_std)
+        if isinstance(cfg.algo, SamplingConfig):  # judged as train judges it: with the learner's sampling
+            policy.set_sampling(**cfg.algo.sampling())
         if cfg.eval_episodes > 0:
             result = held_out(policy, cfg, runtime)
             scalars = {"eval/mean_return": result.mean_return}

@@ -102,8 +102,7 @@ def initial_policy(
         )
     policy, _, _ = load_policy(path, rt.device)
     if isinstance(cfg.algo, SamplingConfig):  # the learner's K', eta, std floor, whatever the checkpoint used
-        a = cfg.algo
-        policy.set_sampling(ft_steps=a.ft_steps, eta=a.eta, min_std=a.min_std)
+        policy.set_sampling(**cfg.algo.sampling())
     policy.sampler_backend = "compiled" if cfg.policy.compile else "auto"
     policy.set_freeze_encoders(
         cfg.policy.freeze_encoders or not getattr(cfg.algo, "finetune_encoders", False)

@@ -53,7 +53,7 @@ def run(
     rt = Runtime.from_config(cfg.device)
     spec, da = env_spec(cfg.env)
     pol = build_policy(cfg.policy, spec, da)
-    pol.set_sampling(ft_steps=algo.ft_steps, eta=algo.eta, min_std=algo.min_std)  # as train.py does
+    pol.set_sampling(**algo.sampling())  # as train.py does
     critic = Critic(cfg.policy.cond_dim)
     learner = ChainModules(
         policy=pol,

@@ -86,6 +86,10 @@ class SamplingConfig:
         _positive("algo.min_std", self.min_std)
         _unit("algo.eta", self.eta)
 
+    def sampling(self) -> dict[str, Any]:
+        """The settings ``set_sampling`` takes: ``{"ft_steps": K', "eta": ..., "min_std": ...}`` (K' resolved)."""
+        return {"ft_steps": self.ft_steps, "eta": self.eta, "min_std": self.min_std}
+
     def resolve_ft_steps(self, ddim_steps: int) -> None:
         """Derive a null ``ft_steps`` from ``ddim_steps`` (K) and check 0 < K' <= K."""
         if self.ft_steps is None:

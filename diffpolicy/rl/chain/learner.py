@@ -85,9 +85,7 @@ class ChainLearner(PolicyLearner):
         self.clip_eps = clip_schedule(algo.clip_eps, algo.clip_eps_final, policy.ft_steps, rt.device)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self.reward_scaler = (  # DPPO's running scaler keeps its own discount of 0.99, whatever algo.gamma
-            RunningRewardScaler(cfg.env.num_envs)
-            if algo.reward_scale == "running" and not self.grpo
-            else None
+            RunningRewardScaler(cfg.env.num_envs) if algo.reward_scale == "running" else None
         )
 
     def begin(self) -> None:
