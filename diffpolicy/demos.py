@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -63,8 +64,9 @@ DEMOS_VERSION = 5
 (4: MujocoPick actions became tool waypoints; 5: its state observation gained the target's position)."""
 MAX_TRIES_PER_DEMO = 3
 """Without failures kept: the expert gets at most this many seeds per demonstration asked for."""
-IMPORT_VERSION = 1
-"""Part of an imported dataset's cache key; bumped when the conversion changes."""
+IMPORT_VERSION = 2
+"""Part of an imported dataset's cache key; bumped when the conversion changes (2: keyed on the content's
+hash; modalities the dataset lacks are left out; LeRobot datasets)."""
 ACTION_TOLERANCE = 1e-4
 """How far (as a fraction of the bound's range) an imported action may lie outside the env's bounds."""
 
@@ -333,14 +335,30 @@ def env_target(env_cfg: EnvConfig) -> EnvTarget:
         env.close()
 
 
-def _key_map(target: EnvTarget, obs_keys: dict[str, list[str]], label: str) -> dict[str, list[str]]:
+def _key_map(
+    target: EnvTarget, obs_keys: dict[str, list[str]], source: Any, available: set[str], label: str
+) -> dict[str, list[str]]:
+    """Environment observation key -> the dataset keys that form it: ``bc.obs_keys``'s, else the source's
+    default (the same name; a LeRobotDataset's ``observation.state``, its camera, ``task``). A modality the
+    dataset does not hold is left out, and the policy goes without it; ``state`` is required."""
     unknown = sorted(set(obs_keys) - set(target.obs))
     if unknown:
         raise DemoFormatError(
             f"{label}: bc.obs_keys names {unknown[0]!r}, which {target.env_id} does not observe "
             f"(it observes {', '.join(target.obs)})"
         )
-    return {key: list(obs_keys.get(key, [key])) for key in target.obs}
+    keys: dict[str, list[str]] = {}
+    for key in target.obs:
+        found = list(obs_keys[key]) if key in obs_keys else source.default_keys(key, available)
+        if found is not None:
+            keys[key] = found
+        elif key == "state":
+            raise DemoFormatError(
+                f"{label} has no observation 'state', which {target.env_id} observes (it has: "
+                f"{', '.join(sorted(available)) or 'none'}; +bc.obs_keys.state=[...] names the dataset keys that "
+                "form it)"
+            )
+    return keys
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -413,6 +431,11 @@ def convert_episode(
     out["action"] = actions.astype(np.float32, copy=False)  # (L, Da)
     if episode.rewards is not None:
         out[REWARD_KEY] = np.asarray(episode.rewards, dtype=np.float32).reshape(length)  # (L,)
+    if episode.target is not None:
+        target_pos = np.asarray(episode.target, dtype=np.float32).reshape(length, -1)  # (L, 3 k)
+        if not np.all(np.isfinite(target_pos)):
+            raise DemoFormatError(f"{where}: {TARGET_KEY} is not finite")
+        out[TARGET_KEY] = target_pos
     return out
 
 
@@ -459,13 +482,22 @@ def import_demos(
     created = [d for d in (Path(cache_dir), path.parent) if not d.exists()]  # removed again on failure
     writer: DemoWriter | None = None
     try:
-        with open_source(source, label) as episodes:
+        with open_source(source, label, env_cfg.image_size) as episodes:
             target = env_target(env_cfg)
-            keys = _key_map(target, obs_keys, label)
-            for episode in progress(episodes.episodes(), total=len(episodes), desc="import"):
+            stream = iter(episodes.episodes()) if episodes.keys() is None else None
+            first = next(stream, None) if stream is not None else None  # the keys of an episode, when unknown
+            available = set(first.obs if first is not None else episodes.keys() or ())
+            keys = _key_map(target, obs_keys, episodes, available, label)
+            episodes.wanted = {name for names in keys.values() for name in names}
+            if stream is None:
+                stream = iter(episodes.episodes())
+            elif first is not None:
+                stream = itertools.chain([first], stream)
+            for episode in progress(stream, total=len(episodes), desc="import"):
                 fields = convert_episode(episode, target, keys, label)
                 if writer is None:
-                    attrs = {"source": source, "format": episodes.kind, "env": dataclasses.asdict(env_cfg)}
+                    attrs = {"source": source, "format": episodes.kind, "env": dataclasses.asdict(env_cfg),
+                             "modalities": sorted(keys)}  # fmt: skip
                     writer = DemoWriter(path, env_id=env_cfg.id, attrs=attrs)
                 writer.add_episode(fields, seed=episode.seed, success=episode.success)
             if writer is None:
@@ -520,3 +552,29 @@ def export_robomimic(source: str | Path, out: str | Path) -> dict[str, Any]:
     env_args = {"env_name": meta["env_id"], "type": ROBOMIMIC_GYM_TYPE, "env_kwargs": env.get("kwargs", {}),
                 "diffpolicy": meta["attrs"]}  # fmt: skip
     return write_robomimic(source, out, env_args)
+
+
+def control_fps(env_cfg: EnvConfig) -> float:
+    """The environment's control rate in steps per second (its ``metadata["render_fps"]``; 10 when unset)."""
+    env = _make_env(env_cfg)
+    try:
+        return float(env.metadata.get("render_fps") or 10)
+    finally:
+        env.close()
+
+
+def export_lerobot(
+    source: str | Path,
+    out: str | Path,
+    env_cfg: EnvConfig,
+    fps: float | None = None,
+    video_codec: str = "av1",
+) -> dict[str, Any]:
+    """Write the dataset directory ``source`` (this project's format) as a LeRobotDataset v3.0 at ``out``
+    (:func:`diffpolicy.data.lerobot.write_lerobot`), at ``fps`` frames per second (None: ``env_cfg``'s
+    control rate). Returns ``{"path", "n_episodes", "steps", "video_codec", "fps"}``."""
+    from diffpolicy.data.lerobot import write_lerobot
+
+    fps = fps or control_fps(env_cfg)
+    robot = env_cfg.task or env_cfg.name
+    return {**write_lerobot(source, out, fps=fps, video_codec=video_codec, robot_type=robot), "fps": fps}

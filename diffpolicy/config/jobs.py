@@ -127,11 +127,18 @@ class CollectConfig:
     seed: int = 0
     """First episode seed (episode i uses seed + i)."""
     out: str = ""
-    """Output: the dataset directory (format=native; '' writes ``demos`` in the run directory) or the HDF5 file
-    (format=robomimic; '' writes ``demos.hdf5`` in the run directory)."""
+    """Output: the dataset directory (format=native; '' writes ``demos`` in the run directory), the HDF5 file
+    (format=robomimic; '' writes ``demos.hdf5``) or the LeRobotDataset directory (format=lerobot; ''
+    writes ``lerobot``)."""
     format: str = "native"
-    """native (this project's chunked store) | robomimic (robomimic-style HDF5 for other tools; the native
-    store is kept beside it in the run directory)."""
+    """native (this project's chunked store) | robomimic (robomimic-style HDF5 for other tools) | lerobot (a
+    LeRobotDataset v3.0 directory, videos included); with either of the last two the native store is kept
+    beside it in the run directory."""
+    fps: float | None = None
+    """format=lerobot: frames per second recorded in the dataset (null: the environment's control rate,
+    ``metadata["render_fps"]``: MujocoPick 10, Meta-World 80)."""
+    video_codec: str = "av1"
+    """format=lerobot: av1 (SVT-AV1, LeRobot's default) | h264."""
     keep_failures: bool | None = None
     """Also store episodes where the expert failed (null: the environment's ``env.demo_failures``; true or
     false overrides it)."""
@@ -139,7 +146,10 @@ class CollectConfig:
     def __post_init__(self) -> None:
         _positive("n_episodes", self.n_episodes)
         _positive("seed", self.seed, allow_zero=True)
-        _choice("format", self.format, ("native", "robomimic"))
+        _choice("format", self.format, ("native", "robomimic", "lerobot"))
+        _choice("video_codec", self.video_codec, ("av1", "h264"))
+        if self.fps is not None:
+            _positive("fps", self.fps)
 
 
 @dataclass

@@ -47,6 +47,7 @@ from diffpolicy.data.dataset import (
     META_FILE,
     NON_OBSERVATION_FIELDS,
     REWARD_KEY,
+    TARGET_KEY,
     DemoFormatError,
     DemoReader,
 )
@@ -72,6 +73,8 @@ class SourceEpisode:
     """(L,), or None when the source has none."""
     success: bool | None = None
     seed: int | None = None
+    target: np.ndarray | None = None
+    """(L, 3 k) privileged positions (``target_pos``) when the source records them, else None."""
 
 
 def _first_line(err: BaseException) -> str:
@@ -99,7 +102,18 @@ def resolve(spec: str, label: str | None = None) -> tuple[str, Path]:
     """``(kind, path)`` of a dataset spec: kind ``native`` | ``robomimic`` | ``minari``; path the file or
     directory to read (for Minari, its ``data`` directory). Raises FileNotFoundError / DemoFormatError
     starting with ``label`` (default ``spec``)."""
+    from diffpolicy.data.lerobot import LEROBOT_PREFIX, is_lerobot
+
     label = label or spec
+    if spec.startswith(LEROBOT_PREFIX):
+        path = Path(spec[len(LEROBOT_PREFIX) :]).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{label}: no such directory (nothing is downloaded: give a local LeRobotDataset)"
+            )
+        if not is_lerobot(path):
+            raise DemoFormatError(f"{label} is not a LeRobotDataset: it has no meta/info.json")
+        return "lerobot", path
     if spec.startswith(MINARI_PREFIX):
         dataset_id = spec[len(MINARI_PREFIX) :]
         path = minari_root() / dataset_id / "data"
@@ -115,29 +129,44 @@ def resolve(spec: str, label: str | None = None) -> tuple[str, Path]:
     if path.is_dir():
         if (path / META_FILE).is_file():
             return "native", path
+        if is_lerobot(path):
+            return "lerobot", path
         for data in (path / "data", path):
             if (data / "metadata.json").is_file():
                 return "minari", data
         raise DemoFormatError(
-            f"{label} is a directory but neither this project's dataset ({META_FILE}) nor a Minari dataset "
-            "(data/metadata.json)"
+            f"{label} is a directory but neither this project's dataset ({META_FILE}), a LeRobotDataset "
+            "(meta/info.json) nor a Minari dataset (data/metadata.json)"
         )
     return "robomimic", path
 
 
 def fingerprint(spec: str, label: str | None = None) -> dict[str, Any]:
-    """What identifies a dataset's content without reading it: its kind, resolved path, and the size and
-    modification time (ns) of its file or of every file under its directory."""
+    """What identifies a dataset: its kind and the SHA-256 of its content (every file under a directory, by
+    relative path, in sorted order), so that a copy elsewhere shares its cache and an edit in place does not.
+    Hashing reads the files once (~1 s per GB)."""
+    import hashlib
+
     kind, path = resolve(spec, label)
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    stats = [p.stat() for p in files]
-    return {
-        "kind": kind,
-        "path": str(path.resolve()),
-        "files": len(files),
-        "bytes": sum(s.st_size for s in stats),
-        "mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
-    }
+    stamp = (str(path.resolve()), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if stamp in _HASHED:  # the same files, unchanged since this process hashed them
+        return _HASHED[stamp]
+    digest = hashlib.sha256()
+    size = 0
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode() + b"\0")
+        with open(file, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+                size += len(block)
+        digest.update(b"\0")
+    _HASHED[stamp] = {"kind": kind, "files": len(files), "bytes": size, "sha256": digest.hexdigest()}
+    return _HASHED[stamp]
+
+
+_HASHED: dict[tuple[Any, ...], dict[str, Any]] = {}
+"""fingerprint's results in this process, by path and every file's size and modification time."""
 
 
 class DemoSource:
@@ -147,6 +176,17 @@ class DemoSource:
 
     def __init__(self, label: str) -> None:
         self.label = label
+        self.wanted: set[str] | None = None
+        """Observation keys the import reads (None: all); a source may skip decoding the others."""
+
+    def keys(self) -> list[str] | None:
+        """The observation keys an episode holds, when known before reading one (else None)."""
+        return None
+
+    def default_keys(self, key: str, available: set[str]) -> list[str] | None:
+        """The dataset keys an environment observation ``key`` is read from when ``bc.obs_keys`` does not
+        name them; None when the dataset holds none (the policy then goes without that modality)."""
+        return [key] if key in available else None
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -175,10 +215,15 @@ class DemoSource:
                 raise self._fail(f"{name} is truncated: {length} actions but {len(value)} steps of {key}")
 
 
-def open_source(spec: str, label: str | None = None) -> DemoSource:
-    """The dataset ``spec`` names (see the module docstring); ``label`` starts every error message."""
+def open_source(spec: str, label: str | None = None, image_size: int | None = None) -> Any:
+    """The dataset ``spec`` names (see the module docstring); ``label`` starts every error message; videos are
+    decoded at ``image_size`` (a LeRobotDataset's)."""
     label = label or spec
     kind, path = resolve(spec, label)
+    if kind == "lerobot":
+        from diffpolicy.data.lerobot import LeRobotSource
+
+        return LeRobotSource(path, label, image_size)
     if kind == "native":
         return NativeSource(path, label)
     if kind == "minari":
@@ -201,6 +246,9 @@ class NativeSource(DemoSource):
     def __len__(self) -> int:
         return self.reader.num_episodes
 
+    def keys(self) -> list[str]:
+        return [k for k in self.reader.fields if k not in NON_OBSERVATION_FIELDS]
+
     def episodes(self) -> Iterator[SourceEpisode]:
         meta = self.reader.meta
         for i in range(self.reader.num_episodes):
@@ -215,6 +263,7 @@ class NativeSource(DemoSource):
                 rewards=fields.get(REWARD_KEY),
                 success=meta["success"][i],
                 seed=meta["seeds"][i],
+                target=fields.get(TARGET_KEY),
             )
 
 
