@@ -8,14 +8,18 @@ step stores the observation the expert acted on, its action and its reward, in t
 :func:`collect_demos` writes a dataset; :func:`cached_demos` reuses the dataset cached under
 ``<cache_dir>/demos/<key>`` for the same environment, count and seed, or collects it.
 
-:func:`import_demos` (``bc.demos=PATH``) reads a robomimic-style HDF5 file, a Minari dataset or a dataset of
-this project's format (:mod:`diffpolicy.data.external`), matches it to the environment and converts it once
-into ``<cache_dir>/demos/<key>`` (keyed by the source's path, size and modification time, the environment
-and ``bc.obs_keys``):
+:func:`import_demos` (``bc.demos=PATH``) reads a robomimic-style HDF5 file (images and depth included), a
+LeRobotDataset (``lerobot:DIR``), a Minari dataset or a dataset of this project's format
+(:mod:`diffpolicy.data.external`, :mod:`diffpolicy.data.lerobot`), matches it to the environment and converts
+it once into ``<cache_dir>/demos/<key>`` (keyed by the SHA-256 of the source's content, the environment and
+``bc.obs_keys``), decoding videos once, not every epoch:
 
 - each observation key of the environment (rgb, points, state, instruction: those a policy reads) is read
-  from the dataset key of the same name, or from the keys ``bc.obs_keys.<key>`` lists (flattened and
-  concatenated in order); its per-step shape must be the environment's;
+  from the keys ``bc.obs_keys.<key>`` lists (flattened and concatenated in order), else from the source's
+  default (the same name; a LeRobotDataset's ``observation.state``, its one camera, its task; robomimic's
+  ``<camera>_image``, depth and low-dim keys); its per-step shape must be the environment's;
+- a modality the dataset does not hold is left out, and the policy is built without it (RGB without points,
+  points without RGB, with or without text); ``state`` is required;
 - actions must have the environment's Da and lie within its action bounds (a tolerance of 1e-4 of the
   range); a plain Box environment's actions are rescaled from its units to the adapter's [-1, 1]
   (:class:`diffpolicy_envs.adapters.BoxEnvAdapter`);
@@ -380,7 +384,8 @@ def convert_episode(
             wanted = f"which {target.env_id} observes" if missing[0] == key else f"for bc.obs_keys.{key}"
             raise DemoFormatError(
                 f"{where} has no observation {missing[0]!r}, {wanted} (it has: "
-                f"{', '.join(sorted(episode.obs)) or 'none'}; +bc.obs_keys.{key}=[...] names the dataset keys "
+                f"{', '.join(sorted(episode.available or episode.obs)) or 'none'}; +bc.obs_keys.{key}=[...] names "
+                "the dataset keys "
                 "that form it)"
             )
         shape, dtype = target.obs[key]
@@ -482,7 +487,7 @@ def import_demos(
     created = [d for d in (Path(cache_dir), path.parent) if not d.exists()]  # removed again on failure
     writer: DemoWriter | None = None
     try:
-        with open_source(source, label, env_cfg.image_size) as episodes:
+        with open_source(source, label, env_cfg.image_size, env_cfg.n_points) as episodes:
             target = env_target(env_cfg)
             stream = iter(episodes.episodes()) if episodes.keys() is None else None
             first = next(stream, None) if stream is not None else None  # the keys of an episode, when unknown

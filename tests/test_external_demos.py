@@ -134,7 +134,8 @@ def test_collect_format_robomimic(tmp_path, compose):
 
 def test_box_env_actions_are_rescaled_and_obs_keys_concatenate(tmp_path):
     """A plain Box env's dataset is in the env's units: force in [-3, 3] becomes the adapter's [-1, 1];
-    bc.obs_keys forms ``state`` from the dataset's ``pos`` (x, theta) and ``vel`` keys, in that order."""
+    bc.obs_keys forms ``state`` from the dataset's ``pos`` (x, theta) and ``vel`` keys, in that order; without
+    it, robomimic's low-dim keys form it in name order."""
     episodes = pendulum_episodes(2, steps=12)
     split = [
         {**ep, "obs": {"pos": ep["obs"]["state"][:, :2], "vel": ep["obs"]["state"][:, 2:]}} for ep in episodes
@@ -147,8 +148,11 @@ def test_box_env_actions_are_rescaled_and_obs_keys_concatenate(tmp_path):
         np.testing.assert_allclose(got["state"], ep["obs"]["state"], rtol=1e-6)
         np.testing.assert_allclose(got["action"], ep["actions"] / 3.0, atol=1e-6)
         assert reader.meta["success"][i] is None  # unknown: kept by behaviour cloning
-    with pytest.raises(ValueError, match=r"no observation 'state'.*\+bc\.obs_keys\.state"):
-        import_demos(str(file), PENDULUM, tmp_path / "cache")
+    default, _ = import_demos(str(file), PENDULUM, tmp_path / "cache2")  # robomimic's low-dim keys, by name
+    np.testing.assert_array_equal(DemoReader(default).episode(0)["state"], reader.episode(0)["state"])
+    with pytest.raises(ValueError, match=r"demo_0: observation pos\+vel\+zeta is \(5,\) per step"):
+        extra = [{**ep, "obs": {**ep["obs"], "zeta": ep["obs"]["pos"][:, :1]}} for ep in split]
+        import_demos(str(write_robomimic_file(tmp_path / "extra.hdf5", extra)), PENDULUM, tmp_path / "cache")
 
 
 def test_minari_dataset_trains_by_behaviour_cloning(tmp_path, monkeypatch):
@@ -284,3 +288,68 @@ def test_pretrain_demos_is_bc_demos(compose):
         compose("pretrain", ["demos=a.hdf5", "bc.demos=b.hdf5"])
     with pytest.raises(ValueError, match=r"bc\.obs_keys\.state is empty"):
         compose("train", ["+bc.obs_keys.state=[]"])
+
+
+def _robomimic_images(path: Path, episode: dict, camera_info: dict | None, cameras=("agentview",)) -> Path:
+    """One MujocoPick episode as robomimic's image datasets hold it: ``<camera>_image`` (L, 64, 64, 3), its
+    ``<camera>_depth`` (L, 64, 64, 1) m, low-dim ``robot0_*`` keys that together are the 10-D state."""
+    length = len(episode["action"])
+    rgb = np.repeat(np.repeat(episode["rgb"], 2, axis=1), 2, axis=2)  # (L, 64, 64, 3) from 32 x 32
+    depth = np.ones((length, 64, 64, 1))
+    depth[:, :8] = 5.0  # a far background band: no points
+    with h5py.File(path, "w") as f:
+        demo = f.create_group("data/demo_0")
+        demo.create_dataset("actions", data=episode["action"])
+        for camera in cameras:
+            demo.create_dataset(f"obs/{camera}_image", data=rgb)
+            demo.create_dataset(f"obs/{camera}_depth", data=depth)
+        state = episode["state"]
+        for key, part in (("robot0_eef_pos", state[:, :3]), ("robot0_eef_quat", state[:, 3:7]),
+                          ("robot0_gripper_qpos", state[:, 7:])):  # fmt: skip
+            demo.create_dataset(f"obs/{key}", data=part)
+        if camera_info is not None:
+            demo.attrs["camera_info"] = json.dumps(camera_info)
+    return path
+
+
+def test_robomimic_images_depth_and_low_dim_keys(tmp_path):
+    collect_demos(PICK, 1, 0, tmp_path / "native")
+    episode = DemoReader(tmp_path / "native").episode(0)
+    K = np.array([[40.0, 0, 31.5], [0, 40.0, 31.5], [0, 0, 1]])
+    E = np.eye(4)
+    E[:3, 3] = [0.1, 0.2, 0.3]
+    info = {"agentview": {"intrinsics": K.tolist(), "extrinsics": E.tolist()}}
+    path, _ = import_demos(str(_robomimic_images(tmp_path / "img.hdf5", episode, info)), PICK, tmp_path / "c")
+    reader = DemoReader(path)
+    assert reader.meta["attrs"]["modalities"] == ["points", "rgb", "state"]  # no text in the file
+    got = reader.episode(0)
+    np.testing.assert_array_equal(got["state"], episode["state"])  # eef_pos, eef_quat, gripper_qpos in order
+    assert (
+        got["rgb"].shape[1:] == (32, 32, 3) and np.abs(got["rgb"].astype(float) - episode["rgb"]).mean() < 8
+    )
+    points = got["points"].astype(
+        np.float64
+    )  # (L, 64, 6): every point on the plane 1 m in front, none behind
+    np.testing.assert_allclose(points[..., 2], 1.3, atol=1e-6)
+    u = (points[..., 0] - 0.1) * 40.0 + 31.5  # the pixel each point came from, by inverting the projection
+    v = (points[..., 1] - 0.2) * 40.0 + 31.5
+    np.testing.assert_allclose(u, np.round(u), atol=1e-3)
+    np.testing.assert_allclose(v, np.round(v), atol=1e-3)
+    assert v.min() >= 8 - 1e-3 and v.max() <= 63 + 1e-3  # the background rows gave no point
+    t = np.arange(len(points))[:, None]
+    colour = np.repeat(np.repeat(episode["rgb"], 2, 1), 2, 2)[
+        t, np.round(v).astype(int), np.round(u).astype(int)
+    ]
+    np.testing.assert_allclose(points[..., 3:], colour / 255.0, atol=1e-6)
+
+    bare = _robomimic_images(tmp_path / "bare.hdf5", episode, None)
+    with pytest.warns(UserWarning, match="no camera parameters .*goes without points"):
+        path, _ = import_demos(str(bare), PICK, tmp_path / "c")
+    assert DemoReader(path).meta["attrs"]["modalities"] == ["rgb", "state"]
+    two = _robomimic_images(tmp_path / "two.hdf5", episode, info, cameras=("agentview", "wrist"))
+    with pytest.raises(ValueError, match=r"holds 2 cameras .*\+bc\.obs_keys\.rgb=\[agentview_image\]"):
+        import_demos(str(two), PICK, tmp_path / "c")
+    path, _ = import_demos(
+        str(two), PICK, tmp_path / "c", {"rgb": ["wrist_image"], "points": ["agentview_points"]}
+    )
+    assert DemoReader(path).meta["attrs"]["modalities"] == ["points", "rgb", "state"]

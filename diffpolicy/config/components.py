@@ -292,9 +292,11 @@ class BCConfig:
     (BC 0.795 on mujoco_pick, fine-tuned to 0.95), 100 for multimodal (its measured recipe: 1.00 held-out)."""
     demos: str = ""
     """Clone these demonstrations instead of the scripted expert's: a robomimic-style HDF5 file
-    (``data/demo_N/{obs/<key>, actions, rewards, dones}``), a local Minari dataset (``minari:ID``, or its
+    (``data/demo_N/{obs/<key>, actions, rewards, dones}``, images and depth included), a LeRobotDataset
+    directory (``lerobot:DIR``, v2.1 or v3.0, never fetched), a local Minari dataset (``minari:ID``, or its
     directory) or a dataset in this project's format (:mod:`diffpolicy.demos`); '' collects from the expert.
-    Checked against the environment's spaces and converted into the cache once."""
+    Checked against the environment's spaces and converted into the cache once; the policy reads the
+    modalities the dataset holds."""
     noise_draws: int = 1
     """(step, noise) draws of the denoising loss per encoded observation: the encoders run once per window
     and the denoiser on ``noise_draws`` noised copies of its chunk (lower-variance encoder gradients, at the
@@ -319,8 +321,9 @@ class BCConfig:
     derived, as ``bc.translate``."""
     obs_keys: dict[str, list[str]] = field(default_factory=dict)
     """``bc.demos``: environment observation key -> the dataset's keys whose per-step values, flattened and
-    concatenated in this order, form it (``+bc.obs_keys.state=[qpos,qvel]``); a key not named here is read
-    from the dataset key of the same name."""
+    concatenated in this order, form it (``+bc.obs_keys.state=[qpos,qvel]``,
+    ``+bc.obs_keys.rgb=[observation.images.wrist]``); a key not named here is read from the dataset's default
+    for it (:mod:`diffpolicy.demos`)."""
 
     def __post_init__(self) -> None:
         _derive_state_defaults(self, "bc")

@@ -15,13 +15,23 @@ robomimic-style HDF5, one file (robomimic's own layout)::
     mask/                         optional filter keys (not read)
 
 Demos are read in the order of their number N (``demo_2`` before ``demo_10``); a string dataset
-(``obs/instruction``, UTF-8) is read as one text per step.
+(``obs/instruction``, UTF-8) is read as one text per step. robomimic's image datasets map by its own names
+when the environment's are absent: ``rgb`` <- the one ``obs/<camera>_image`` (resized to the policy's size;
+several cameras: name one with ``bc.obs_keys.rgb``), ``points`` <- ``obs/<camera>_depth`` (metres) back-projected
+with the camera parameters robomimic stores per demo (attribute ``camera_info``: JSON, camera -> 3x3
+``intrinsics`` and 4x4 camera-to-world ``extrinsics``), coloured from ``<camera>_image``
+(:func:`depth_points`); without them a warning says the policy goes without points. ``state`` <- every
+low-dim key (one vector per step), concatenated in name order (``robot0_eef_pos``, ``robot0_eef_quat``,
+``robot0_gripper_qpos``, ...); ``bc.obs_keys.state`` picks and orders them otherwise.
 
 Minari: a dataset saved by the ``minari`` package, named ``minari:ID`` (looked up among the local datasets,
 under ``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets``: nothing is downloaded) or given by its
 directory. An episode's L + 1 observations give the L that its actions were taken on; a Box observation is
 read as the key ``state``, a Dict one as its keys (nested keys joined by ``/``); its success is the last
 ``success`` / ``is_success`` info when it records one.
+
+LeRobotDataset directories (``lerobot:DIR``, or a directory holding ``meta/info.json``) are read by
+:mod:`diffpolicy.data.lerobot`.
 
 Every failure to read is one line, :class:`~diffpolicy.data.dataset.DemoFormatError`, starting with the
 source's label (what the user typed). h5py and minari are the optional ``data`` extra, imported only when a
@@ -34,6 +44,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +68,9 @@ MINARI_PREFIX = "minari:"
 ROBOMIMIC_GYM_TYPE = 2
 """robomimic's ``env_args["type"]`` for gym(nasium) environments (1 is robosuite)."""
 _DEMO_NAME = re.compile(r"demo_(\d+)")
+IMAGE_SUFFIX, DEPTH_SUFFIX, POINTS_SUFFIX = "_image", "_depth", "_points"
+"""robomimic's camera keys: ``<camera>_image`` (L, H, W, 3) uint8, ``<camera>_depth`` (L, H, W, 1) metres;
+``<camera>_points`` is what this reader makes of a depth map (:func:`depth_points`)."""
 
 
 @dataclass
@@ -75,6 +89,8 @@ class SourceEpisode:
     seed: int | None = None
     target: np.ndarray | None = None
     """(L, 3 k) privileged positions (``target_pos``) when the source records them, else None."""
+    available: tuple[str, ...] = ()
+    """Every observation key the episode holds, where ``obs`` holds only those the import reads."""
 
 
 def _first_line(err: BaseException) -> str:
@@ -215,9 +231,11 @@ class DemoSource:
                 raise self._fail(f"{name} is truncated: {length} actions but {len(value)} steps of {key}")
 
 
-def open_source(spec: str, label: str | None = None, image_size: int | None = None) -> Any:
-    """The dataset ``spec`` names (see the module docstring); ``label`` starts every error message; videos are
-    decoded at ``image_size`` (a LeRobotDataset's)."""
+def open_source(
+    spec: str, label: str | None = None, image_size: int | None = None, n_points: int | None = None
+) -> Any:
+    """The dataset ``spec`` names (see the module docstring); ``label`` starts every error message; camera
+    images are decoded or resized to ``image_size`` squares, depth maps become ``n_points`` points."""
     label = label or spec
     kind, path = resolve(spec, label)
     if kind == "lerobot":
@@ -228,7 +246,51 @@ def open_source(spec: str, label: str | None = None, image_size: int | None = No
         return NativeSource(path, label)
     if kind == "minari":
         return MinariSource(path, label)
-    return RobomimicSource(path, label)
+    return RobomimicSource(path, label, image_size, n_points)
+
+
+def resize_frames(frames: np.ndarray, size: int) -> np.ndarray:
+    """(L, H, W, 3) uint8 images -> (L, size, size, 3), bilinear (PIL); unchanged when already that size."""
+    if frames.shape[1:3] == (size, size):
+        return frames
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in frames])
+
+
+def depth_points(
+    depth: np.ndarray, intrinsics: np.ndarray, world_from_cam: np.ndarray, n: int, rgb: np.ndarray | None,
+    seed: int,
+) -> np.ndarray:  # fmt: skip
+    """Back-project one depth image into ``n`` coloured points of the world frame.
+
+    Args:
+        depth: (H, W) or (H, W, 1) distance along the optical axis (m), row 0 the image's top.
+        intrinsics: (3, 3) pinhole matrix K (fx, fy, cx, cy in pixels of this image).
+        world_from_cam: (4, 4) camera pose in the world, camera axes x right, y down, z forward.
+        n: points returned: drawn uniformly without replacement from the kept pixels (with replacement when
+            fewer), by a generator seeded with ``seed``.
+        rgb: (H, W, 3) uint8 image of the same camera (colour), or None (colour 0).
+
+    Returns:
+        (n, 6) float32: x, y, z (m), then r, g, b in [0, 1]. Pixels with no depth (<= 0, not finite) and the
+        background (depth >= 98 % of the image's largest) give no point; an image with none gives n zeros.
+    """
+    depth = np.asarray(depth, np.float64).reshape(depth.shape[0], depth.shape[1])
+    valid = np.isfinite(depth) & (depth > 0)
+    if valid.any() and depth[valid].max() > depth[valid].min():
+        valid &= depth < 0.98 * depth[valid].max()
+    v, u = np.nonzero(valid)  # (M,) rows and columns of the kept pixels
+    if len(v) == 0:
+        return np.zeros((n, 6), np.float32)
+    pick = np.random.default_rng(seed).choice(len(v), n, replace=len(v) < n)
+    v, u = v[pick], u[pick]
+    z = depth[v, u]
+    fx, fy, cx, cy = intrinsics[0, 0], intrinsics[1, 1], intrinsics[0, 2], intrinsics[1, 2]
+    cam = np.stack([(u - cx) / fx * z, (v - cy) / fy * z, z], axis=1)  # (n, 3) camera frame
+    xyz = cam @ world_from_cam[:3, :3].T + world_from_cam[:3, 3]
+    colour = rgb[v, u] / 255.0 if rgb is not None else np.zeros((n, 3))
+    return np.concatenate([xyz, colour], axis=1).astype(np.float32)
 
 
 class NativeSource(DemoSource):
@@ -272,8 +334,11 @@ class RobomimicSource(DemoSource):
 
     kind = "robomimic"
 
-    def __init__(self, path: Path, label: str) -> None:
+    def __init__(
+        self, path: Path, label: str, image_size: int | None = None, n_points: int | None = None
+    ) -> None:
         super().__init__(label)
+        self.image_size, self.n_points = image_size, n_points
         h5py = _require("h5py")
         self._h5py = h5py
         if path.stat().st_size == 0:
@@ -299,6 +364,89 @@ class RobomimicSource(DemoSource):
     def __len__(self) -> int:
         return len(self.names)
 
+    def keys(self) -> list[str]:
+        """The first demo's ``obs`` keys, and ``<camera>_points`` for each ``<camera>_depth`` whose camera
+        parameters the demo records (``camera_info``)."""
+        first = self._data[self.names[0]]
+        group = first.get("obs")
+        keys = list(group) if isinstance(group, self._h5py.Group) else []
+        self._shapes = {
+            k: tuple(group[k].shape[1:]) for k in keys if isinstance(group[k], self._h5py.Dataset)
+        }
+        cameras = self._camera_info(first)
+        depth = [k[: -len(DEPTH_SUFFIX)] for k in keys if k.endswith(DEPTH_SUFFIX)]
+        return keys + [f"{c}{POINTS_SUFFIX}" for c in depth if c in cameras]
+
+    def default_keys(self, key: str, available: set[str]) -> list[str] | None:
+        """The same name first; else robomimic's: ``rgb`` <- the one ``<camera>_image``, ``points`` <- the
+        points of the one ``<camera>_depth`` with camera parameters, ``state`` <- every low-dim key (one
+        value vector per step, not an image or depth map), in name order."""
+        if key in available:
+            return [key]
+        if key == "rgb":
+            images = sorted(k for k in available if k.endswith(IMAGE_SUFFIX))
+            if len(images) > 1:
+                raise self._fail(
+                    f"holds {len(images)} cameras ({', '.join(images)}) and the policy reads one RGB image: name "
+                    f"it with +bc.obs_keys.rgb=[{images[0]}]"
+                )
+            return images or None
+        if key == "points":
+            points = sorted(k for k in available if k.endswith(POINTS_SUFFIX))
+            if not points and any(k.endswith(DEPTH_SUFFIX) for k in available):
+                warnings.warn(
+                    f"{self.label}: depth maps but no camera parameters (demo attribute camera_info, which "
+                    "robomimic's dataset_states_to_obs.py --depth writes): the policy goes without points",
+                    stacklevel=2,
+                )
+            if len(points) > 1:
+                raise self._fail(
+                    f"holds depth from {len(points)} cameras ({', '.join(points)}): name one with "
+                    f"+bc.obs_keys.points=[{points[0]}]"
+                )
+            return points or None
+        if key == "state":
+            low = sorted(k for k in available if len(getattr(self, "_shapes", {}).get(k, (0, 0))) <= 1
+                         and not k.endswith((IMAGE_SUFFIX, DEPTH_SUFFIX)))  # fmt: skip
+            return low or None
+        return None
+
+    def _camera_info(self, demo: Any) -> dict[str, Any]:
+        raw = demo.attrs.get("camera_info")
+        if raw is None:
+            return {}
+        try:
+            return dict(json.loads(raw))
+        except (TypeError, ValueError) as err:
+            raise self._fail(f"camera_info of {demo.name} is not JSON ({_first_line(err)})") from None
+
+    def _points(self, demo: Any, obs: dict[str, Any], key: str, name: str) -> np.ndarray:
+        """``<camera>_points`` of one demo: (L, N, 6) from its depth maps, camera parameters and images."""
+        camera = key[: -len(POINTS_SUFFIX)]
+        info = self._camera_info(demo).get(camera)
+        if info is None:
+            raise self._fail(
+                f"{name} records no camera_info for {camera!r}, whose depth the points come from"
+            )
+        try:
+            intrinsics = np.asarray(info["intrinsics"], np.float64).reshape(3, 3)
+            extrinsics = np.asarray(info["extrinsics"], np.float64).reshape(4, 4)
+        except (KeyError, ValueError) as err:
+            raise self._fail(f"{name}: camera_info[{camera!r}] lacks a 3x3 intrinsics and a 4x4 extrinsics "
+                             f"({_first_line(err)})") from None  # fmt: skip
+        depth = obs.get(f"{camera}{DEPTH_SUFFIX}")
+        if depth is None:
+            depth = self._read(demo["obs"], f"{camera}{DEPTH_SUFFIX}", name)
+        rgb = obs.get(f"{camera}{IMAGE_SUFFIX}")
+        if rgb is not None and rgb.shape[1:3] != depth.shape[1:3]:
+            rgb = None
+        n = self.n_points or 512
+        index = self.names.index(name)
+        return np.stack([
+            depth_points(depth[t], intrinsics, extrinsics, n, None if rgb is None else rgb[t], index * 100_003 + t)
+            for t in range(len(depth))
+        ])  # fmt: skip
+
     def close(self) -> None:
         if getattr(self, "_file", None) is not None:
             self._file.close()
@@ -322,7 +470,15 @@ class RobomimicSource(DemoSource):
             obs_group = group.get("obs")
             if not isinstance(obs_group, self._h5py.Group):
                 raise self._fail(f"{name} has no 'obs' group")
-            obs = {key: self._read(obs_group, key, name) for key in obs_group}
+            wanted = self.wanted
+            obs = {key: self._read(obs_group, key, name) for key in obs_group
+                   if wanted is None or key in wanted or key.endswith((DEPTH_SUFFIX, IMAGE_SUFFIX))}  # fmt: skip
+            for key in wanted or ():
+                if key.endswith(POINTS_SUFFIX) and key not in obs:
+                    obs[key] = self._points(group, obs, key, name)
+            for key in list(obs):
+                if key.endswith(IMAGE_SUFFIX) and self.image_size and obs[key].ndim == 4:
+                    obs[key] = resize_frames(obs[key], self.image_size)
             rewards = self._read(group, "rewards", name) if "rewards" in group else None
             per_step = {f"obs/{k}": v for k, v in obs.items()}
             if rewards is not None:
@@ -333,6 +489,7 @@ class RobomimicSource(DemoSource):
             yield SourceEpisode(
                 name=name,
                 obs=obs,
+                available=tuple(obs_group),
                 actions=actions,
                 rewards=rewards,
                 success=None if success is None else bool(success),
