@@ -57,7 +57,7 @@ test-all: $(STAMP)  ## also the slow training checks
 # Every benchmark of diffpolicy.bench.BENCHMARKS except the long multi-run studies (diffpolicy.bench.STUDIES):
 # demos_curve trains and evaluates BC at several demonstration counts and redraws docs/demos_curve.png, so it is
 # run on its own (python -m diffpolicy.bench demos_curve). tests/test_bench.py checks this list.
-BENCH ?= env gae sampler bimodal ppo_update stabledrl scaling serve encoders bc_step
+BENCH ?= env gae sampler bimodal ppo_update stabledrl scaling serve encoders bc_step demos_import
 
 bench: $(STAMP)  ## every benchmark (BENCH="gae env" picks some), one JSON line each, into runs/bench.jsonl
 	@mkdir -p runs

@@ -292,3 +292,19 @@ def test_lerobot_data_trains_the_multimodal_policy_end_to_end(tmp_path, compose)
     assert summary["env_steps"] > 0 and summary["eval_episodes"] == 2
     ckpt = checkpoint.load(tmp_path / "run" / "checkpoints")
     assert sorted(ckpt.extra["obs_spec"]) == ["instruction", "rgb", "state"]
+
+
+def test_demos_import_benchmark_tiny() -> None:
+    from diffpolicy.benchmarks.demos_import import run
+
+    out = run(repeats=1, episodes=2)
+    assert out["frames"] > 100 and out["image_size"] == 84
+    for key in (
+        "import_fps_h264",
+        "import_fps_av1",
+        "decode_fps_h264",
+        "decode_fps_av1",
+        "native_import_fps",
+    ):
+        assert out[key] > 0, key
+    assert out["video_bytes_av1"] > 0 and out["video_bytes_h264"] > 0

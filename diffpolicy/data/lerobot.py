@@ -179,11 +179,8 @@ class _VideoCursor:
                         f"{self.label}: video {self.path.name} has no frame at t={want[i]:.3f} s (the next is at "
                         f"{t:.3f} s): its frames do not match the data's timestamps"
                     )
-                out[i] = (
-                    frame.to_ndarray(format="rgb24", width=size, height=size)
-                    if size
-                    else frame.to_ndarray(format="rgb24")
-                )
+                # width and height always given: PyAV then reuses one converter (~15x faster than without)
+                out[i] = frame.to_ndarray(format="rgb24", width=out.shape[2], height=out.shape[1])
                 i += 1
         except av.error.FFmpegError as err:
             raise DemoFormatError(
