@@ -502,7 +502,7 @@ def import_demos(
                 fields = convert_episode(episode, target, keys, label)
                 if writer is None:
                     attrs = {"source": source, "format": episodes.kind, "env": dataclasses.asdict(env_cfg),
-                             "modalities": sorted(keys)}  # fmt: skip
+                             "modalities": sorted(keys), "fps": getattr(episodes, "fps", None)}  # fmt: skip
                     writer = DemoWriter(path, env_id=env_cfg.id, attrs=attrs)
                 writer.add_episode(fields, seed=episode.seed, success=episode.success)
             if writer is None:

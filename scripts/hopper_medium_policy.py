@@ -69,7 +69,12 @@ def main() -> None:
     parser.add_argument("--env-id", default="Hopper-v5")
     parser.add_argument("--algo", choices=("ppo", "sac"), default="ppo", help="stable-baselines3 learner")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop-return", type=float, default=1000.0, help="mean sampled return to stop at")
+    parser.add_argument("--stop-return", type=float, default=1000.0, help="mean return to stop at")
+    parser.add_argument(
+        "--stop-on", choices=("sampled", "mean"), default="sampled",
+        help="judge the return of actions sampled from the actor's Gaussian (D4RL's data) or of its mean (a "
+        "demonstrator medium in the mean, whose demonstrations then take a small --noise-scale)",
+    )  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=300_000)
     parser.add_argument("--eval-every", type=int, default=5_000)
     parser.add_argument("--eval-episodes", type=int, default=10)
@@ -105,7 +110,7 @@ def main() -> None:
             if self.num_timesteps % args.eval_every:
                 return True
             export_actor(model, tmp, {})
-            expert = MLPExpert.load(tmp, seed=args.seed, stochastic=True)
+            expert = MLPExpert.load(tmp, seed=args.seed, stochastic=args.stop_on == "sampled")
             returns = [
                 run_episode(eval_env, expert, seed=10_000 + i)["return"] for i in range(args.eval_episodes)
             ]
@@ -128,7 +133,7 @@ def main() -> None:
         "reached_return": callback.reached,
         "eval_episodes": args.eval_episodes,
         "eval_seeds": f"10000..{10_000 + args.eval_episodes - 1}",
-        "sampled": True,
+        "sampled": args.stop_on == "sampled",
         "return_band": list(args.band),
     }
     export_actor(model, args.out, meta)

@@ -60,6 +60,11 @@ def test_numpy_ppo_actor_matches_torch() -> None:
     z = np.random.default_rng(7).standard_normal((6, 3))
     sampled = mu + torch.exp(torch.as_tensor(weights["log_std"])) * torch.as_tensor(z)
     np.testing.assert_allclose(MLPExpert(weights, seed=7).policy(obs), sampled.clamp(-1, 1), atol=1e-6)
+    small = mu + 0.2 * torch.exp(torch.as_tensor(weights["log_std"])) * torch.as_tensor(z)  # a small noise
+    np.testing.assert_allclose(MLPExpert(weights, seed=7, noise_scale=0.2).policy(obs), small.clamp(-1, 1),
+                               atol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="noise_scale"):
+        MLPExpert(weights, noise_scale=-1.0)
     with pytest.raises(ValueError, match="activation"):
         MLPExpert({**weights, "meta": np.array(json.dumps({"activation": "gelu"}))})
 

@@ -87,6 +87,7 @@ def test_export_then_import_gives_the_same_windows_up_to_video(native, tmp_path,
         "video.codec"] == codec  # fmt: skip
     path, made = import_demos(f"lerobot:{out}", PICK, tmp_path / "cache")
     assert made and DemoReader(path).meta["attrs"]["format"] == "lerobot"
+    assert DemoReader(path).meta["attrs"]["fps"] == 10.0
     _same_up_to_video(path, native)
     assert import_demos(str(out), PICK, tmp_path / "cache") == (path, False)  # a plain directory too; cached
 

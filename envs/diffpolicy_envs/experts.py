@@ -261,12 +261,17 @@ class MLPExpert:
         weights: dict of the arrays above.
         seed: seeds the action noise.
         stochastic: sample from the Gaussian (default) rather than take its mean.
+        noise_scale: the sampled noise's std as a multiple of the actor's own (1: its Gaussian, as D4RL
+            sampled; a D4RL-like demonstrator medium in its mean samples with a small one).
     """
 
     ACTIVATIONS = ("relu", "tanh")
     SQUASHES = ("tanh", "clip")
 
-    def __init__(self, weights: dict[str, np.ndarray], seed: int | None = None, stochastic: bool = True):
+    def __init__(
+        self, weights: dict[str, np.ndarray], seed: int | None = None, stochastic: bool = True,
+        noise_scale: float = 1.0,
+    ):  # fmt: skip
         n_hidden = sum(1 for k in weights if k.startswith("w") and k[1:].isdigit())
         has_std = "log_std_w" in weights or "log_std" in weights
         if n_hidden == 0 or "mu_w" not in weights or not has_std:
@@ -296,13 +301,20 @@ class MLPExpert:
         else:
             self.log_std = np.asarray(weights["log_std"], np.float64)
         self.stochastic = bool(stochastic)
+        if not noise_scale >= 0:
+            raise ValueError(f"noise_scale={noise_scale} must be >= 0")
+        self.noise_scale = float(noise_scale)
         self.rng = np.random.default_rng(seed)
 
     @classmethod
-    def load(cls, path: str | Path, seed: int | None = None, stochastic: bool = True) -> MLPExpert:
+    def load(
+        cls, path: str | Path, seed: int | None = None, stochastic: bool = True, noise_scale: float = 1.0
+    ) -> MLPExpert:
         """The expert whose weights are the ``.npz`` at ``path``."""
         with np.load(path, allow_pickle=False) as data:
-            return cls({k: data[k] for k in data.files}, seed=seed, stochastic=stochastic)
+            return cls(
+                {k: data[k] for k in data.files}, seed=seed, stochastic=stochastic, noise_scale=noise_scale
+            )
 
     def reset(self) -> None:
         """Nothing to reset: the actor is memoryless."""
@@ -319,7 +331,7 @@ class MLPExpert:
                 std = np.exp(np.clip(h @ self.log_std[0].T + self.log_std[1], -20.0, 2.0))
             else:
                 std = np.exp(self.log_std)
-            mu = mu + std * self.rng.standard_normal(mu.shape)
+            mu = mu + self.noise_scale * std * self.rng.standard_normal(mu.shape)
         out = np.tanh(mu) if self.squash == "tanh" else np.clip(mu, -1.0, 1.0)
         return out.astype(np.float32)
 
