@@ -206,7 +206,7 @@ def test_validation_and_test_seeds_are_disjoint_ranges() -> None:
     ("name", "overrides", "bc", "demos"),
     [
         ("train", [], "mujoco_pick-unet_small-87a7f07a1c9a", "mujoco_pick-3950fa1e0ea9"),
-        ("train", ["env=hopper"], "hopper-mlp-716fb8465a05", "hopper-9ef96bc9851a"),
+        ("train", ["env=hopper"], "hopper-mlp-926eaa4d1a85", "hopper-1b540eca6e9d"),  # 35: D4RL-like actor
         ("pretrain", ["env=metaworld", "env.task=coffee-push"], "metaworld-unet_small-5258e2be5e34",
          "metaworld-73c225be9085"),
         ("pretrain", ["env=metaworld", "env.task=assembly", "env.obs_mode=state"],

@@ -19,8 +19,8 @@ class EnvConfig:
     """Which environment to train on and how to run it."""
 
     name: str = "mujoco_pick"
-    """Config-group entry: mujoco_pick | obstacle_reach | hopper (Gymnasium's Hopper-v5, demonstrated by a
-    medium-quality PPO actor) | metaworld (any of Meta-World's 50 v3 tasks, ``env.task``) | gym."""
+    """Config-group entry: mujoco_pick | obstacle_reach | hopper / walker2d (Gymnasium's Hopper-v5 /
+    Walker2d-v5, demonstrated by a medium-quality PPO actor) | metaworld (any of Meta-World's 50 v3 tasks, ``env.task``) | gym."""
     task: str = ""
     """env=metaworld: the v3 task (``stick-pull`` or ``stick-pull-v3``; the 50 names are
     ``diffpolicy_envs.meta_world.TASKS``); unused by the other environments."""
@@ -52,7 +52,9 @@ class EnvConfig:
     datasets); false keeps only successes. Behaviour cloning skips failed episodes either way."""
 
     def __post_init__(self) -> None:
-        _choice("env.name", self.name, ("mujoco_pick", "obstacle_reach", "hopper", "metaworld", "gym"))
+        _choice(
+            "env.name", self.name, ("mujoco_pick", "obstacle_reach", "hopper", "walker2d", "metaworld", "gym")
+        )
         if self.name == "metaworld":
             from diffpolicy_envs.meta_world import TASKS, task_name
 

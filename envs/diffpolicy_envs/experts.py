@@ -340,11 +340,11 @@ class MLPExpert:
         return self.policy(env.unwrapped._get_obs())
 
 
-POLICY_EXPERTS: dict[str, str] = {"HopperEnv": "hopper_medium.npz"}
-"""Unwrapped env class name -> the trained actor (``assets/``) that demonstrates it. Hopper-v5's is a
-stable-baselines3 PPO agent (``scripts/hopper_medium_policy.py``, seed 0) stopped at 153 600 steps, the first
-evaluation whose sampled return reached 1000 (1343 over 10 episodes): medium quality, about a third of an
-expert's return, as D4RL's hopper-medium (its ``meta`` states the band the test holds it to)."""
+POLICY_EXPERTS: dict[str, str] = {"HopperEnv": "hopper_medium.npz", "Walker2dEnv": "walker2d_medium.npz"}
+"""Unwrapped env class name -> the trained actor (``assets/``) that demonstrates it: stable-baselines3 PPO agents
+(``scripts/hopper_medium_policy.py``, seed 0) stopped at the first evaluation whose noise-free return lay in a
+medium band, as D4RL's medium datasets (Hopper-v5: 73 728 steps, 1386 over 10 episodes; Walker2d-v5: see its
+``meta``). Each file's ``meta`` states the band the test holds it to."""
 
 
 def make_expert(
