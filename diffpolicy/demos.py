@@ -578,7 +578,7 @@ def export_lerobot(
     """Write the dataset directory ``source`` (this project's format) as a LeRobotDataset v3.0 at ``out``
     (:func:`diffpolicy.data.lerobot.write_lerobot`), at ``fps`` frames per second (None: ``env_cfg``'s
     control rate). Returns ``{"path", "n_episodes", "steps", "video_codec", "fps"}``."""
-    from diffpolicy.data.lerobot import write_lerobot
+    from diffpolicy.data.lerobot_writer import write_lerobot
 
     fps = fps or control_fps(env_cfg)
     robot = env_cfg.task or env_cfg.name

@@ -1,7 +1,7 @@
 """Benchmark of ``bc.demos=lerobot:DIR``: decoding a LeRobotDataset's video and caching it, in frames per second.
 
 ``episodes`` MujocoPick expert episodes (84 x 84 RGB, state, instruction; ~70 frames each) are recorded once,
-written as LeRobotDataset v3.0 with H.264 and with AV1 video (:func:`diffpolicy.data.lerobot.write_lerobot`,
+written as LeRobotDataset v3.0 with H.264 and with AV1 video (:func:`diffpolicy.data.lerobot_writer.write_lerobot`,
 LeRobot's encoder settings), and each is imported into an empty cache ``repeats`` times
 (:func:`diffpolicy.demos.import_demos`: hash the files, build the environment once to check shapes and
 bounds, decode every frame, convert, write the cache). Reported, as medians:
