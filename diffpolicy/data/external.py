@@ -46,7 +46,6 @@ import re
 import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +62,7 @@ from diffpolicy.data.dataset import (
     DemoFormatError,
     DemoReader,
 )
+from diffpolicy.data.source import DemoSource, SourceEpisode, first_line
 
 MINARI_PREFIX = "minari:"
 """``bc.demos=minari:ID`` names a local Minari dataset by its id."""
@@ -72,31 +72,6 @@ _DEMO_NAME = re.compile(r"demo_(\d+)")
 IMAGE_SUFFIX, DEPTH_SUFFIX, POINTS_SUFFIX = "_image", "_depth", "_points"
 """robomimic's camera keys: ``<camera>_image`` (L, H, W, 3) uint8, ``<camera>_depth`` (L, H, W, 1) metres;
 ``<camera>_points`` is what this reader makes of a depth map (:func:`depth_points`)."""
-
-
-@dataclass
-class SourceEpisode:
-    """One episode of L steps as a source holds it (raw units; not yet matched to an environment)."""
-
-    name: str
-    """Where it is in its source, for messages (``demo_3``, ``episode 3``)."""
-    obs: dict[str, Any]
-    """Observation key -> (L, ...) array, or a list of L strings for text."""
-    actions: np.ndarray
-    """(L, Da) in the units of the environment that recorded them."""
-    rewards: np.ndarray | None
-    """(L,), or None when the source has none."""
-    success: bool | None = None
-    seed: int | None = None
-    target: np.ndarray | None = None
-    """(L, 3 k) privileged positions (``target_pos``) when the source records them, else None."""
-    available: tuple[str, ...] = ()
-    """Every observation key the episode holds, where ``obs`` holds only those the import reads."""
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _require(module: str) -> Any:
@@ -186,52 +161,6 @@ _HASHED: dict[tuple[Any, ...], dict[str, Any]] = {}
 """fingerprint's results in this process, by path and every file's size and modification time."""
 
 
-class DemoSource:
-    """Episodes of one dataset on disk; use as a context manager (closes open files)."""
-
-    kind = ""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.wanted: set[str] | None = None
-        """Observation keys the import reads (None: all); a source may skip decoding the others."""
-
-    def keys(self) -> list[str] | None:
-        """The observation keys an episode holds, when known before reading one (else None)."""
-        return None
-
-    def default_keys(self, key: str, available: set[str]) -> list[str] | None:
-        """The dataset keys an environment observation ``key`` is read from when ``bc.obs_keys`` does not
-        name them; None when the dataset holds none (the policy then goes without that modality)."""
-        return [key] if key in available else None
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def episodes(self) -> Iterator[SourceEpisode]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> DemoSource:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def _fail(self, message: str) -> DemoFormatError:
-        return DemoFormatError(f"{self.label}: {message}")
-
-    def _check_lengths(self, name: str, length: int, arrays: dict[str, Any]) -> None:
-        """Every per-step array of an episode has its L = len(actions) steps (else: truncated)."""
-        if length < 1:
-            raise self._fail(f"{name} has no steps")
-        for key, value in arrays.items():
-            if len(value) != length:
-                raise self._fail(f"{name} is truncated: {length} actions but {len(value)} steps of {key}")
-
-
 def open_source(
     spec: str, label: str | None = None, image_size: int | None = None, n_points: int | None = None
 ) -> Any:
@@ -274,7 +203,7 @@ class NativeSource(DemoSource):
             try:
                 fields = self.reader.episode(i)
             except (OSError, ValueError) as err:  # a damaged chunk
-                raise self._fail(f"cannot read episode {i} ({_first_line(err)})") from None
+                raise self._fail(f"cannot read episode {i} ({first_line(err)})") from None
             yield SourceEpisode(
                 name=f"episode {i}",
                 obs={k: v for k, v in fields.items() if k not in NON_OBSERVATION_FIELDS},
@@ -304,7 +233,7 @@ class RobomimicSource(DemoSource):
             self._file = h5py.File(path, "r")
         except OSError as err:
             raise self._fail(
-                f"not a readable HDF5 file: empty, truncated or not HDF5 ({_first_line(err)}); bc.demos takes a "
+                f"not a readable HDF5 file: empty, truncated or not HDF5 ({first_line(err)}); bc.demos takes a "
                 "robomimic-style HDF5 file, a Minari dataset or this project's dataset directory"
             ) from None
         data = self._file.get("data")
@@ -375,7 +304,7 @@ class RobomimicSource(DemoSource):
         try:
             return dict(json.loads(raw))
         except (TypeError, ValueError) as err:
-            raise self._fail(f"camera_info of {demo.name} is not JSON ({_first_line(err)})") from None
+            raise self._fail(f"camera_info of {demo.name} is not JSON ({first_line(err)})") from None
 
     def _points(self, demo: Any, obs: dict[str, Any], key: str, name: str) -> np.ndarray:
         """``<camera>_points`` of one demo: (L, N, 6) from its depth maps, camera parameters and images."""
@@ -390,7 +319,7 @@ class RobomimicSource(DemoSource):
             extrinsics = np.asarray(info["extrinsics"], np.float64).reshape(4, 4)
         except (KeyError, ValueError) as err:
             raise self._fail(f"{name}: camera_info[{camera!r}] lacks a 3x3 intrinsics and a 4x4 extrinsics "
-                             f"({_first_line(err)})") from None  # fmt: skip
+                             f"({first_line(err)})") from None  # fmt: skip
         depth = obs.get(f"{camera}{DEPTH_SUFFIX}")
         if depth is None:
             depth = self._read(demo["obs"], f"{camera}{DEPTH_SUFFIX}", name)
@@ -418,7 +347,7 @@ class RobomimicSource(DemoSource):
                 return [str(s) for s in item.asstr()[()]]
             return np.asarray(item[()])
         except (OSError, ValueError, TypeError) as err:
-            raise self._fail(f"cannot read {name}/{key}: truncated or corrupt ({_first_line(err)})") from None
+            raise self._fail(f"cannot read {name}/{key}: truncated or corrupt ({first_line(err)})") from None
 
     def episodes(self) -> Iterator[SourceEpisode]:
         for name in self.names:
@@ -476,7 +405,7 @@ class MinariSource(DemoSource):
             n = self._dataset.total_episodes
         except Exception as err:  # minari raises many kinds (ValueError, KeyError, OSError, AssertionError)
             raise self._fail(
-                f"not a readable Minari dataset ({type(err).__name__}: {_first_line(err)})"
+                f"not a readable Minari dataset ({type(err).__name__}: {first_line(err)})"
             ) from None
         if n == 0:
             raise self._fail("holds no episodes")
@@ -489,7 +418,7 @@ class MinariSource(DemoSource):
             try:
                 episode = self._dataset[index]
             except Exception as err:
-                raise self._fail(f"cannot read episode {index} ({_first_line(err)})") from None
+                raise self._fail(f"cannot read episode {index} ({first_line(err)})") from None
             name = f"episode {episode.id}"
             if isinstance(episode.actions, dict | tuple):
                 raise self._fail(

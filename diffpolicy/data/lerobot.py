@@ -48,6 +48,7 @@ from diffpolicy.data.dataset import (
     TARGET_KEY,
     DemoFormatError,
 )
+from diffpolicy.data.source import DemoSource, SourceEpisode, first_line
 
 LEROBOT_PREFIX = "lerobot:"
 """``bc.demos=lerobot:DIR`` names a LeRobotDataset directory."""
@@ -79,11 +80,6 @@ def require(module: str) -> Any:
         raise DemoFormatError(
             f'LeRobot datasets need the {module!r} package: pip install -e ".[lerobot]"'
         ) from None
-
-
-def _first_line(err: BaseException) -> str:
-    text = (getattr(err, "strerror", None) or str(err)).strip()  # FFmpeg's errors repeat the file's path
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def is_lerobot(path: Path) -> bool:
@@ -128,7 +124,7 @@ class _VideoCursor:
             self.container = av.open(str(path))
             self.stream = self.container.streams.video[0]
         except (av.error.FFmpegError, IndexError, ValueError) as err:
-            raise DemoFormatError(f"{label}: video {path.name} will not open ({_first_line(err)})") from None
+            raise DemoFormatError(f"{label}: video {path.name} will not open ({first_line(err)})") from None
         if self.stream.codec_context is None:  # FFmpeg knows no decoder for the stream's codec
             self.container.close()
             raise DemoFormatError(
@@ -184,13 +180,13 @@ class _VideoCursor:
                 i += 1
         except av.error.FFmpegError as err:
             raise DemoFormatError(
-                f"{self.label}: video {self.path.name} ({self.codec}) will not decode ({_first_line(err)})"
+                f"{self.label}: video {self.path.name} ({self.codec}) will not decode ({first_line(err)})"
             ) from None
         self.position = float(want[-1] + 1.0 / fps) if len(want) else start
         return out
 
 
-class LeRobotSource:
+class LeRobotSource(DemoSource):
     """Episodes of a LeRobotDataset directory (layouts in the module docstring); a context manager.
 
     ``wanted`` (set before :meth:`episodes`) names the features to read: cameras not in it are never
@@ -199,14 +195,14 @@ class LeRobotSource:
     kind = "lerobot"
 
     def __init__(self, path: Path, label: str, image_size: int | None = None) -> None:
-        self.label, self.root, self.image_size = label, path, image_size
-        self.wanted: set[str] | None = None
+        super().__init__(label)
+        self.root, self.image_size = path, image_size
         self._pq = require("pyarrow.parquet")
         require("av")
         try:
             self.info = json.loads((path / INFO_FILE).read_text())
         except (OSError, ValueError) as err:
-            raise self._fail(f"{INFO_FILE} is not readable JSON ({_first_line(err)})") from None
+            raise self._fail(f"{INFO_FILE} is not readable JSON ({first_line(err)})") from None
         self.version = str(self.info.get("codebase_version", ""))
         if self.version not in VERSIONS:
             raise self._fail(
@@ -219,7 +215,7 @@ class LeRobotSource:
             self.data_path: str = self.info["data_path"]
             self.video_path: str | None = self.info.get("video_path")
         except (KeyError, TypeError, ValueError) as err:
-            raise self._fail(f"{INFO_FILE} lacks {_first_line(err)}") from None
+            raise self._fail(f"{INFO_FILE} lacks {first_line(err)}") from None
         if ACTION_KEY not in self.features:
             raise self._fail(f"has no 'action' feature (features: {', '.join(self.features)})")
         self.cameras = camera_features(self.features)
@@ -231,9 +227,6 @@ class LeRobotSource:
             raise self._fail("holds no episodes")
 
     # ------------------------------------------------------------------------------------------ meta
-    def _fail(self, message: str) -> DemoFormatError:
-        return DemoFormatError(f"{self.label}: {message}")
-
     def _parquet(self, path: Path, columns: list[str] | None = None) -> Any:
         try:
             return self._pq.read_table(path, columns=columns)
@@ -242,7 +235,7 @@ class LeRobotSource:
         except (OSError, ValueError, KeyError) as err:  # truncated, corrupt, or a column it lacks
             raise self._fail(
                 f"{path.relative_to(self.root)} is not a readable parquet file: truncated or corrupt "
-                f"({_first_line(err)})"
+                f"({first_line(err)})"
             ) from None
 
     def _jsonl(self, name: str) -> list[dict[str, Any]]:
@@ -252,7 +245,7 @@ class LeRobotSource:
         except FileNotFoundError:
             raise self._fail(f"meta/{name} is missing") from None
         except ValueError as err:
-            raise self._fail(f"meta/{name} is not JSON lines ({_first_line(err)})") from None
+            raise self._fail(f"meta/{name} is not JSON lines ({first_line(err)})") from None
 
     def _read_episodes(self) -> list[dict[str, Any]]:
         """Per episode, in index order: ``episode_index``, ``length`` and, in v3.0, where its rows and frames lie."""
@@ -272,7 +265,7 @@ class LeRobotSource:
             for row in rows:
                 int(row["length"])
         except (KeyError, TypeError, ValueError) as err:
-            raise self._fail(f"an episode's metadata lacks {_first_line(err)}") from None
+            raise self._fail(f"an episode's metadata lacks {first_line(err)}") from None
         return rows
 
     def _read_tasks(self) -> dict[int, str]:
@@ -334,7 +327,7 @@ class LeRobotSource:
                 chunk, file = int(meta[f"videos/{key}/chunk_index"]), int(meta[f"videos/{key}/file_index"])
                 start = float(meta[f"videos/{key}/from_timestamp"])
             except (KeyError, TypeError) as err:
-                raise self._fail(f"episode {index}'s metadata lacks {_first_line(err)}") from None
+                raise self._fail(f"episode {index}'s metadata lacks {first_line(err)}") from None
             return self.root / self.video_path.format(
                 video_key=key, chunk_index=chunk, file_index=file
             ), start
@@ -384,7 +377,7 @@ class LeRobotSource:
                 image = Image.open(io.BytesIO(cell["bytes"])).convert("RGB")
             except Exception as err:  # PIL raises many kinds for a bad image
                 raise self._fail(
-                    f"{name} step {t}: image {key!r} will not decode ({_first_line(err)})"
+                    f"{name} step {t}: image {key!r} will not decode ({first_line(err)})"
                 ) from None
             if self.image_size and image.size != (self.image_size, self.image_size):
                 image = image.resize((self.image_size, self.image_size), Image.BILINEAR)
@@ -392,8 +385,6 @@ class LeRobotSource:
         return np.stack(out)
 
     def episodes(self) -> Iterator[Any]:
-        from diffpolicy.data.external import SourceEpisode
-
         wanted = set(self.keys()) if self.wanted is None else set(self.wanted)
         for meta in self.episodes_meta:
             index, length = int(meta["episode_index"]), int(meta["length"])
@@ -444,7 +435,7 @@ class LeRobotSource:
             return _column_values(table.column(key), length, shape, dtype)
         except (ValueError, TypeError) as err:
             raise self._fail(
-                f"{name}: column {key!r} does not hold {list(shape)} per frame ({_first_line(err)})"
+                f"{name}: column {key!r} does not hold {list(shape)} per frame ({first_line(err)})"
             ) from None
 
     def _task_strings(self, table: Any, meta: dict[str, Any], name: str) -> list[str]:
@@ -461,9 +452,3 @@ class LeRobotSource:
         for cursor in self._videos.values():
             cursor.close()
         self._videos = {}
-
-    def __enter__(self) -> LeRobotSource:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
