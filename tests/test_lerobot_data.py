@@ -309,3 +309,32 @@ def test_demos_import_benchmark_tiny() -> None:
     ):
         assert out[key] > 0, key
     assert out["video_bytes_av1"] > 0 and out["video_bytes_h264"] > 0
+
+
+def test_image_features_stored_in_the_parquet_are_read(native, exported, tmp_path):
+    """A camera stored as ``image`` (PNG bytes in the data rows, as LeRobot's ``use_videos=False`` writes it)
+    instead of video decodes to the same frames, losslessly."""
+    import io
+
+    from PIL import Image
+
+    root = tmp_path / "images"
+    shutil.copytree(exported, root)
+    shutil.rmtree(root / "videos")
+    frames = np.concatenate([DemoReader(native).episode(i)["rgb"] for i in range(2)])  # (L, 32, 32, 3)
+    cells = []
+    for frame in frames:
+        buffer = io.BytesIO()
+        Image.fromarray(frame).save(buffer, format="PNG")
+        cells.append({"bytes": buffer.getvalue(), "path": None})
+    data = root / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(data)
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    pq.write_table(table.append_column("observation.images.front", pa.array(cells, image_type)), data)
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"]["observation.images.front"] = {"dtype": "image", "shape": [32, 32, 3], "names": None}
+    info["video_path"] = None
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    path, _ = import_demos(f"lerobot:{root}", PICK, tmp_path / "cache")
+    got = DemoReader(path)
+    np.testing.assert_array_equal(np.concatenate([got.episode(i)["rgb"] for i in range(2)]), frames)
