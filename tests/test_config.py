@@ -39,13 +39,16 @@ def test_train_composes_typed(compose) -> None:
 
 
 @pytest.mark.parametrize("name", ["train", "pretrain"])
-def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, compose) -> None:
-    """env=hopper chooses DPPO's Gym actor and learner and BC's budget; mujoco_pick keeps train.yaml's."""
-    cfg = compose(name, ["env=hopper"])
+@pytest.mark.parametrize("env", ["hopper", "walker2d"])
+def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, env: str, compose) -> None:
+    """env=hopper (and walker2d) chooses DPPO's Gym actor and learner and BC's budget; mujoco_pick keeps
+    train.yaml's."""
+    cfg = compose(name, [f"env={env}"])
     assert (cfg.policy.name, cfg.algo.name, cfg.bc.n_demos, cfg.bc.epochs, cfg.eval_episodes) == (
         "mlp", "dppo_gym", 100, 100, 50,
     )  # fmt: skip
-    cfg = compose(name, ["env=hopper", "algo=residual", "policy=unet_small", "bc.n_demos=3"])
+    assert cfg.env.expert["noise_scale"] == 0.1 and cfg.env.max_episode_steps == 1000
+    cfg = compose(name, [f"env={env}", "algo=residual", "policy=unet_small", "bc.n_demos=3"])
     assert (cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == ("unet_small", "residual", 3)
     cfg = compose(name)
     assert (cfg.env.name, cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == (

@@ -17,7 +17,7 @@ import torch
 from diffpolicy_envs.experts import ASSETS, POLICY_EXPERTS, MLPExpert, make_expert, run_episode
 
 
-@pytest.mark.parametrize("name", ["hopper"])
+@pytest.mark.parametrize("name", ["hopper", "walker2d"])
 def test_committed_demonstrator_is_medium_in_its_mean(name: str) -> None:
     """The committed actor's noise-free return lies in the medium band its file states (D4RL's medium datasets
     are medium in the mean), and the demonstrations' small noise keeps it there."""
@@ -139,10 +139,12 @@ def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
     assert kls and max(kls) > 1e-9, kls  # the actor moved
 
 
-def test_tiny_hopper_pretrain_logs_returns_not_success(tmp_path: Path) -> None:
-    """pretrain on Hopper logs the held-out return and no eval/success_rate of zeros, as train does."""
+@pytest.mark.parametrize("env", ["hopper", "walker2d"])
+def test_tiny_hopper_pretrain_logs_returns_not_success(tmp_path: Path, env: str) -> None:
+    """pretrain on Hopper (and Walker2d) logs the held-out return and no eval/success_rate of zeros, as train
+    does."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "diffpolicy.pretrain", "env=hopper", "env.num_envs=2",
+    cmd = [sys.executable, "-m", "diffpolicy.pretrain", f"env={env}", "env.num_envs=2",
            "env.max_episode_steps=50", "bc.n_demos=2", "bc.epochs=1", "policy.mlp_dims=[16,16]",
            "eval_episodes=2", "log.progress=false", "log.tensorboard=false",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip

@@ -343,8 +343,8 @@ class MLPExpert:
 POLICY_EXPERTS: dict[str, str] = {"HopperEnv": "hopper_medium.npz", "Walker2dEnv": "walker2d_medium.npz"}
 """Unwrapped env class name -> the trained actor (``assets/``) that demonstrates it: stable-baselines3 PPO agents
 (``scripts/hopper_medium_policy.py``, seed 0) stopped at the first evaluation whose noise-free return lay in a
-medium band, as D4RL's medium datasets (Hopper-v5: 73 728 steps, 1386 over 10 episodes; Walker2d-v5: see its
-``meta``). Each file's ``meta`` states the band the test holds it to."""
+medium band, as D4RL's medium datasets (Hopper-v5: 73 728 steps, 1386 over 10 episodes; Walker2d-v5: 1 941 504
+steps, 2720). Each file's ``meta`` states the band the test holds it to."""
 
 
 def make_expert(
