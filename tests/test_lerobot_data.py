@@ -338,3 +338,29 @@ def test_image_features_stored_in_the_parquet_are_read(native, exported, tmp_pat
     path, _ = import_demos(f"lerobot:{root}", PICK, tmp_path / "cache")
     got = DemoReader(path)
     np.testing.assert_array_equal(np.concatenate([got.episode(i)["rgb"] for i in range(2)]), frames)
+
+
+def test_episodes_out_of_order_in_the_video_are_found_by_seeking(native, exported, tmp_path):
+    """A v3.0 file whose second episode's frames come first (the reader seeks forward, then back to 0)."""
+    root = tmp_path / "swapped"
+    shutil.copytree(exported, root)
+    lengths = DemoReader(native).meta["episode_lengths"]
+    video = root / "videos" / "observation.images.front" / "chunk-000" / "file-000.mp4"
+    with av.open(str(video)) as source:
+        frames = [f.to_ndarray(format="rgb24") for f in source.decode(video=0)]
+    frames = frames[lengths[0] :] + frames[: lengths[0]]  # episode 1, then episode 0
+    with av.open(str(video), "w") as container:
+        stream = container.add_stream("libx264", rate=10, options={"g": "2", "crf": "18"})
+        stream.pix_fmt, stream.width, stream.height = "yuv420p", frames[0].shape[1], frames[0].shape[0]
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    episodes_file = next((root / "meta" / "episodes").rglob("*.parquet"))
+    table = pq.read_table(episodes_file)
+    starts = {"from": [lengths[1] / 10, 0.0], "to": [sum(lengths) / 10, lengths[1] / 10]}
+    for end in ("from", "to"):
+        name = f"videos/observation.images.front/{end}_timestamp"
+        table = table.set_column(table.column_names.index(name), name, pa.array(starts[end], pa.float64()))
+    pq.write_table(table, episodes_file)
+    path, _ = import_demos(f"lerobot:{root}", PICK, tmp_path / "cache")
+    _same_up_to_video(path, native)

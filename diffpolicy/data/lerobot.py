@@ -134,11 +134,9 @@ class _VideoCursor:
         self.codec = self.stream.codec_context.name
         from av.video.reformatter import VideoReformatter
 
-        self._reformatter = (
-            VideoReformatter()
-        )  # one converter for every frame: ~15x faster than one per frame
+        # one converter for every frame of the file: ~15x faster than to_ndarray's one per frame
+        self._reformatter = VideoReformatter()
         self._frames: Iterator[Any] | None = None
-        self._pending: Any = None
         self.position = -1.0  # time (s) of the next frame the iterator gives; -1: not started
 
     def close(self) -> None:
@@ -148,22 +146,24 @@ class _VideoCursor:
         """The frames at ``start + timestamps`` (L,) s, as (L, H, W, 3) uint8 (H = W = ``size`` when given)."""
         av = require("av")
         tolerance = 0.5 / fps
-        if self._frames is None or abs(start - self.position) > tolerance:
-            if start > tolerance:
+        if self._frames is None or abs(start - self.position) > tolerance:  # not where the last read stopped
+            if self._frames is not None or start > tolerance:
                 self.container.seek(int(start / self.stream.time_base), stream=self.stream, backward=True)
             self._frames = self.container.decode(self.stream)
-            self._pending = None
         out = np.empty((len(timestamps), size or self.stream.height, size or self.stream.width, 3), np.uint8)
         want = start + np.asarray(timestamps, np.float64)
         i = 0
         try:
             while i < len(want):
-                frame = self._pending if self._pending is not None else next(self._frames, None)
-                self._pending = None
+                frame = next(self._frames, None)
                 if frame is None:
                     raise DemoFormatError(
                         f"{self.label}: video {self.path.name} ends after {i} of the {len(want)} frames the data "
                         f"holds from t={start:.3f} s (frame-count mismatch)"
+                    )
+                if frame.time is None:
+                    raise DemoFormatError(
+                        f"{self.label}: video {self.path.name} has frames without timestamps"
                     )
                 t = float(frame.time)
                 if t < want[i] - tolerance:  # before this episode: decoded on the way from a key frame
