@@ -489,9 +489,10 @@ def import_demos(
     try:
         with open_source(source, label, env_cfg.image_size, env_cfg.n_points) as episodes:
             target = env_target(env_cfg)
-            stream = iter(episodes.episodes()) if episodes.keys() is None else None
+            known = episodes.keys()
+            stream = iter(episodes.episodes()) if known is None else None
             first = next(stream, None) if stream is not None else None  # the keys of an episode, when unknown
-            available = set(first.obs if first is not None else episodes.keys() or ())
+            available = set(first.obs if first is not None else known or ())
             keys = _key_map(target, obs_keys, episodes, available, label)
             episodes.wanted = {name for names in keys.values() for name in names}
             if stream is None:

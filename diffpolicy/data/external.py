@@ -62,7 +62,7 @@ from diffpolicy.data.dataset import (
     DemoFormatError,
     DemoReader,
 )
-from diffpolicy.data.source import DemoSource, SourceEpisode, first_line
+from diffpolicy.data.source import DemoSource, SourceEpisode, first_line, require
 
 MINARI_PREFIX = "minari:"
 """``bc.demos=minari:ID`` names a local Minari dataset by its id."""
@@ -72,17 +72,6 @@ _DEMO_NAME = re.compile(r"demo_(\d+)")
 IMAGE_SUFFIX, DEPTH_SUFFIX, POINTS_SUFFIX = "_image", "_depth", "_points"
 """robomimic's camera keys: ``<camera>_image`` (L, H, W, 3) uint8, ``<camera>_depth`` (L, H, W, 1) metres;
 ``<camera>_points`` is what this reader makes of a depth map (:func:`depth_points`)."""
-
-
-def _require(module: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise DemoFormatError(
-            f'reading this dataset needs the {module!r} package: pip install -e ".[data]"'
-        ) from None
 
 
 def minari_root() -> Path:
@@ -141,7 +130,8 @@ def fingerprint(spec: str, label: str | None = None) -> dict[str, Any]:
 
     kind, path = resolve(spec, label)
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    stamp = (str(path.resolve()), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    stats = [f.stat() for f in files]
+    stamp = (str(path.resolve()), tuple((str(f), st.st_size, st.st_mtime_ns) for f, st in zip(files, stats)))
     if stamp in _HASHED:  # the same files, unchanged since this process hashed them
         return _HASHED[stamp]
     digest = hashlib.sha256()
@@ -225,7 +215,8 @@ class RobomimicSource(DemoSource):
     ) -> None:
         super().__init__(label)
         self.image_size, self.n_points = image_size, n_points
-        h5py = _require("h5py")
+        self._shapes: dict[str, tuple[int, ...]] = {}  # obs key -> per-step shape, filled by keys()
+        h5py = require("h5py", "data")
         self._h5py = h5py
         if path.stat().st_size == 0:
             raise self._fail("is an empty file (0 bytes), not a robomimic-style HDF5 file")
@@ -270,13 +261,7 @@ class RobomimicSource(DemoSource):
         if key in available:
             return [key]
         if key == "rgb":
-            images = sorted(k for k in available if k.endswith(IMAGE_SUFFIX))
-            if len(images) > 1:
-                raise self._fail(
-                    f"holds {len(images)} cameras ({', '.join(images)}) and the policy reads one RGB image: name "
-                    f"it with +bc.obs_keys.rgb=[{images[0]}]"
-                )
-            return images or None
+            return self.only_one(sorted(k for k in available if k.endswith(IMAGE_SUFFIX)), key, "cameras")
         if key == "points":
             points = sorted(k for k in available if k.endswith(POINTS_SUFFIX))
             if not points and any(k.endswith(DEPTH_SUFFIX) for k in available):
@@ -285,14 +270,9 @@ class RobomimicSource(DemoSource):
                     "robomimic's dataset_states_to_obs.py --depth writes): the policy goes without points",
                     stacklevel=2,
                 )
-            if len(points) > 1:
-                raise self._fail(
-                    f"holds depth from {len(points)} cameras ({', '.join(points)}): name one with "
-                    f"+bc.obs_keys.points=[{points[0]}]"
-                )
-            return points or None
+            return self.only_one(points, key, "depth cameras")
         if key == "state":
-            low = sorted(k for k in available if len(getattr(self, "_shapes", {}).get(k, (0, 0))) <= 1
+            low = sorted(k for k in available if len(self._shapes.get(k, (0, 0))) <= 1
                          and not k.endswith((IMAGE_SUFFIX, DEPTH_SUFFIX)))  # fmt: skip
             return low or None
         return None
@@ -399,7 +379,7 @@ class MinariSource(DemoSource):
 
     def __init__(self, path: Path, label: str) -> None:
         super().__init__(label)
-        minari = _require("minari")
+        minari = require("minari", "data")
         try:
             self._dataset = minari.MinariDataset(str(path))
             n = self._dataset.total_episodes
@@ -454,7 +434,7 @@ def write_robomimic(
     Returns:
         ``{"path", "n_episodes", "steps"}``.
     """
-    h5py = _require("h5py")
+    h5py = require("h5py", "data")
     reader = DemoReader(source)
     out = Path(out)
     if out.exists():

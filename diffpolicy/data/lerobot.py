@@ -48,7 +48,7 @@ from diffpolicy.data.dataset import (
     TARGET_KEY,
     DemoFormatError,
 )
-from diffpolicy.data.source import DemoSource, SourceEpisode, first_line
+from diffpolicy.data.source import DemoSource, SourceEpisode, first_line, require
 
 LEROBOT_PREFIX = "lerobot:"
 """``bc.demos=lerobot:DIR`` names a LeRobotDataset directory."""
@@ -71,17 +71,6 @@ CODECS = {"av1": "libsvtav1", "h264": "libx264"}
 """``video_codec`` -> the PyAV encoder (LeRobot's writer defaults to AV1 through SVT-AV1)."""
 
 
-def require(module: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise DemoFormatError(
-            f'LeRobot datasets need the {module!r} package: pip install -e ".[lerobot]"'
-        ) from None
-
-
 def is_lerobot(path: Path) -> bool:
     """Whether the directory ``path`` looks like a LeRobotDataset (it holds ``meta/info.json``)."""
     return (path / INFO_FILE).is_file()
@@ -98,7 +87,7 @@ def camera_features(features: dict[str, Any]) -> list[str]:
 
 def _column_values(column: Any, length: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """An arrow column of ``length`` rows (scalars, or lists nested to any depth) as (length, *shape)."""
-    pa = require("pyarrow")
+    pa = require("pyarrow", "lerobot")
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     while (
         pa.types.is_list(array.type)
@@ -118,7 +107,7 @@ class _VideoCursor:
     without seeking (v3.0 files hold episodes one after another)."""
 
     def __init__(self, path: Path, label: str, declared: str = "") -> None:
-        av = require("av")
+        av = require("av", "lerobot")
         self.path, self.label = path, label
         try:
             self.container = av.open(str(path))
@@ -144,7 +133,7 @@ class _VideoCursor:
 
     def read(self, start: float, timestamps: np.ndarray, fps: float, size: int | None) -> np.ndarray:
         """The frames at ``start + timestamps`` (L,) s, as (L, H, W, 3) uint8 (H = W = ``size`` when given)."""
-        av = require("av")
+        av = require("av", "lerobot")
         tolerance = 0.5 / fps
         if self._frames is None or abs(start - self.position) > tolerance:  # not where the last read stopped
             if self._frames is not None or start > tolerance:
@@ -197,8 +186,8 @@ class LeRobotSource(DemoSource):
     def __init__(self, path: Path, label: str, image_size: int | None = None) -> None:
         super().__init__(label)
         self.root, self.image_size = path, image_size
-        self._pq = require("pyarrow.parquet")
-        require("av")
+        self._pq = require("pyarrow.parquet", "lerobot")
+        require("av", "lerobot")
         try:
             self.info = json.loads((path / INFO_FILE).read_text())
         except (OSError, ValueError) as err:
@@ -299,12 +288,7 @@ class LeRobotSource(DemoSource):
         elif key == "points":
             candidates = list(POINT_FEATURES)
         elif key == "rgb":
-            if len(self.cameras) > 1:
-                raise self._fail(
-                    f"holds {len(self.cameras)} cameras ({', '.join(self.cameras)}) and the policy reads one RGB "
-                    f"image: name it with +bc.obs_keys.rgb=[{self.cameras[0]}]"
-                )
-            candidates = self.cameras
+            return self.only_one([c for c in self.cameras if c in available], key, "cameras")
         else:
             candidates = [f"observation.{key}", key]
         found = [c for c in candidates if c in available]
@@ -343,7 +327,7 @@ class LeRobotSource(DemoSource):
         table = self._table[1]
         index = int(meta["episode_index"])
         if self.version == "v3.0" and "episode_index" in table.column_names:
-            pc = require("pyarrow.compute")
+            pc = require("pyarrow.compute", "lerobot")
             table = table.filter(pc.equal(table.column("episode_index"), index))
             if "frame_index" in table.column_names:
                 table = table.sort_by("frame_index")

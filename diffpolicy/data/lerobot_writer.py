@@ -24,14 +24,14 @@ from diffpolicy.data.lerobot import (
     INFO_FILE,
     REWARD_FEATURE,
     SUCCESS_FEATURE,
-    require,
 )
+from diffpolicy.data.source import require
 
 
 def _list_column(values: np.ndarray) -> Any:
     """(L, *shape) float values as an arrow column: a fixed-size list for (L, D), nested lists (HF datasets'
     ``Array2D`` storage) for (L, A, B), a plain column for (L,)."""
-    pa = require("pyarrow")
+    pa = require("pyarrow", "lerobot")
     if values.ndim == 1:
         return pa.array(values)
     if values.ndim == 2:
@@ -57,7 +57,7 @@ def _stats(values: np.ndarray, image: bool = False) -> dict[str, list[Any]]:
 
 
 def _encode(path: Path, frames: list[np.ndarray], fps: float, codec: str, crf: int) -> None:
-    av = require("av")
+    av = require("av", "lerobot")
     os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its whole configuration to stderr otherwise
     path.parent.mkdir(parents=True, exist_ok=True)
     height, width = frames[0].shape[:2]
@@ -97,8 +97,8 @@ def write_lerobot(
     Returns:
         ``{"path", "n_episodes", "steps", "video_codec"}``.
     """
-    pa = require("pyarrow")
-    pq = require("pyarrow.parquet")
+    pa = require("pyarrow", "lerobot")
+    pq = require("pyarrow.parquet", "lerobot")
     if video_codec not in CODECS:
         raise ValueError(f"video_codec={video_codec!r} is not written; choose {' or '.join(CODECS)}")
     reader = DemoReader(source)

@@ -33,6 +33,18 @@ class SourceEpisode:
     """Every observation key the episode holds, where ``obs`` holds only those the import reads."""
 
 
+def require(module: str, extra: str) -> Any:
+    """Import an optional dependency; DemoFormatError naming the extra that installs it when it is missing."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DemoFormatError(
+            f'reading this dataset needs the {module!r} package: pip install -e ".[{extra}]"'
+        ) from None
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message (FFmpeg's: its strerror, without the file's path again)."""
     text = (getattr(err, "strerror", None) or str(err)).strip()
@@ -75,6 +87,16 @@ class DemoSource:
 
     def _fail(self, message: str) -> DemoFormatError:
         return DemoFormatError(f"{self.label}: {message}")
+
+    def only_one(self, found: list[str], key: str, what: str) -> list[str] | None:
+        """``found`` (the dataset keys that could form the observation ``key``) when it is one, None when it is
+        none; several: a one-line error naming them and how to pick one (``bc.obs_keys``)."""
+        if len(found) > 1:
+            raise self._fail(
+                f"holds {len(found)} {what} ({', '.join(found)}) and the policy reads one: name it with "
+                f"+bc.obs_keys.{key}=[{found[0]}]"
+            )
+        return found or None
 
     def _check_lengths(self, name: str, length: int, arrays: dict[str, Any]) -> None:
         """Every per-step array of an episode has its L = len(actions) steps (else: truncated)."""

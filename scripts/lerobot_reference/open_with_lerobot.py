@@ -2,7 +2,7 @@
 with the native dataset it was exported from: every frame's numeric features exactly, its video frame up to
 compression. Prints one JSON line. Runs in the environment ``build_env.sh`` builds::
 
-    /tmp/lerobot-env/bin/lerobot-python scripts/lerobot_reference/open_with_lerobot.py LEROBOT_DIR NATIVE_DIR
+    ENV_DIR/bin/lerobot-python scripts/lerobot_reference/open_with_lerobot.py LEROBOT_DIR NATIVE_DIR
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ share the project's environment); it reads the native dataset with numpy alone
 defaults (AV1 video). Used to make ``tests/data/lerobot_pick`` and to check that what LeRobot writes is
 what ``bc.demos=lerobot:DIR`` reads::
 
-    scripts/lerobot_reference/build_env.sh /tmp/lerobot-env
-    /tmp/lerobot-env/bin/lerobot-python scripts/lerobot_reference/write_with_lerobot.py NATIVE OUT [--points]
+    scripts/lerobot_reference/build_env.sh ENV_DIR
+    ENV_DIR/bin/lerobot-python scripts/lerobot_reference/write_with_lerobot.py NATIVE OUT [--points]
 """
 
 from __future__ import annotations
