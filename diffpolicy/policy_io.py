@@ -74,12 +74,14 @@ def sampling_protocol(
 
 
 def apply_protocol(policy: Any, protocol: str) -> None:
-    """Make ``policy`` sample under ``protocol`` where its schedule must change (``dppo``: the natural stds);
-    ``noise_free`` / ``exploration`` need only the ``deterministic`` flag. A per-step policy (base + residual)
+    """Make ``policy`` sample under ``protocol`` where its schedule must change (``dppo``: the natural stds;
+    ``ddim``: eta 0); ``noise_free`` / ``exploration`` need only the ``deterministic`` flag. A per-step policy (base + residual)
     always acts noise-free and is left as it is."""
     schedule = getattr(policy, "schedule", None)
     if protocol == "dppo" and schedule is not None:
         policy.schedule = schedule.with_natural_std()
+    elif protocol == "ddim" and schedule is not None:
+        policy.schedule = schedule.with_eta(0.0)
 
 
 def save_policy(

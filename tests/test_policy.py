@@ -215,3 +215,53 @@ def test_critic():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         v = c(torch.randn(B, 16))
     assert v.shape == (B,) and v.dtype == torch.float32
+
+
+def test_state_critic_reads_the_latest_normalised_state_not_the_condition():
+    """``algo.critic_input=state`` (DPPO's Gym critic): V of the policy-normalised latest state step; the
+    condition is ignored, and a policy without a state observation is one clear error."""
+    from diffpolicy.models.critic import make_critic
+
+    p = make()
+    p.fit_normalizers(actions=torch.rand(100, DA), state=torch.rand(50, 5) * 10 - 3)
+    c = make_critic(p, 16, "state", (32,))
+    state = torch.randn(B, 2, 5) * 4
+    v = c(torch.randn(B, 16), state)
+    want = c.net(p.obs_encoder.state_normalizer.normalize(state[:, -1])).squeeze(-1)
+    torch.testing.assert_close(v, want)
+    torch.testing.assert_close(c(torch.zeros(B, 16), state[:, -1]), v)  # cond unused; (B, Ds) alike
+    p.obs_encoder.state_normalizer.low.fill_(0.0)  # a copy: the policy's later changes do not leak in
+    torch.testing.assert_close(c(torch.zeros(B, 16), state), v)
+    with pytest.raises(ValueError, match="pass it"):
+        c(torch.zeros(B, 16))
+    no_state = make({"points": (32, 3)})
+    with pytest.raises(ValueError, match="needs a policy with a state"):
+        make_critic(no_state, 16, "state", (32,))
+    assert make_critic(p, 16, "cond", (32,)).net[0].in_features == 16
+
+
+def test_ddim_protocol_is_deterministic_ddim_against_a_looped_reference():
+    """``protocol=ddim`` on an eta-1 policy: DDIM eta 0 (x_{k-1} = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps),
+    written out here from alphas_cumprod; the eta-1 posterior means (``noise_free``) are another policy."""
+    from diffpolicy.policy_io import apply_protocol
+
+    p = make(eta=1.0).eval()
+    p.fit_normalizers(actions=torch.rand(100, DA) * 4 - 2)
+    x_k = torch.randn(B, TA, DA, generator=torch.Generator().manual_seed(1))
+    cond = p.encode(obs(), augment=False)
+    noise_free = p.sample(cond=cond, deterministic=True, noise=x_k.clone()).normalized
+    apply_protocol(p, "ddim")
+    got = p.sample(cond=cond, deterministic=True, noise=x_k.clone()).normalized
+    s = p.schedule
+    assert s.eta == 0.0 and float(s.sigma.abs().max()) == 0.0
+    ac, x = s.alphas_cumprod.double(), x_k.double()
+    ts = s.timesteps.tolist()
+    with torch.no_grad():
+        for i, t in enumerate(ts):
+            a_t = ac[t]
+            a_prev = ac[ts[i + 1]] if i + 1 < len(ts) else torch.tensor(1.0, dtype=torch.float64)
+            eps = p.denoiser(x.float(), torch.full((B,), t), cond).double()
+            x0 = ((x - (1 - a_t).sqrt() * eps) / a_t.sqrt()).clamp(-s.clip_sample, s.clip_sample)
+            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * ((x - a_t.sqrt() * x0) / (1 - a_t).sqrt())
+    torch.testing.assert_close(got, x.float(), atol=1e-4, rtol=1e-4)
+    assert (got - noise_free).abs().max() > 1e-3  # eta 1's means are not DDIM eta 0

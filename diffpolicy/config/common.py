@@ -49,9 +49,11 @@ def _unit(name: str, value: float, *, open_low: bool = False) -> None:
         raise ValueError(f"{name}={value!r} is out of range; it must lie in {low}, 1]")
 
 
-PROTOCOLS = {"noise_free": True, "exploration": False, "dppo": False}
+PROTOCOLS = {"noise_free": True, "ddim": True, "exploration": False, "dppo": False}
 """Evaluation protocols -> whether every DDIM step takes its mean. ``noise_free``: every step's mean (under the
-policy's own eta; what ``train`` reports for residual and filtered_bc); ``exploration``: the stochastic chain
+policy's own eta, 1 for the chain learners: the eta-1 chain's posterior means with no noise; what ``train``
+reports for residual and filtered_bc); ``ddim``: DDIM eta 0, every step's mean under eta 0 (the
+deterministic sampler: the same denoiser, x_k weighted as the probability-flow ODE weighs it); ``exploration``: the stochastic chain
 the rollouts sample (eta, the ``algo.min_std`` floor); ``dppo``: DPPO's deterministic evaluation, each step
 drawn with its own eta-scaled std floored at 1e-3 and none at the last step, no exploration floor
 (:meth:`diffpolicy.diffusion.schedule.NoiseSchedule.with_natural_std`). A checkpoint carries the one its

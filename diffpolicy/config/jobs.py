@@ -221,8 +221,8 @@ class EvaluateConfig:
     (``exploration``); null: the protocol the checkpoint's figure was reported under (``extra["protocol"]``,
     written by ``train``; exploration for a checkpoint that records none). The summary names it."""
     protocol: str = ""
-    """A named evaluation protocol, ``noise_free`` | ``exploration`` | ``dppo`` (DPPO's deterministic: each
-    step's own std floored at 1e-3, none at the last; :data:`PROTOCOLS`); '' defers to
+    """A named evaluation protocol, ``noise_free`` | ``ddim`` (eta 0) | ``exploration`` | ``dppo`` (DPPO's
+    deterministic: each step's own std floored at 1e-3, none at the last; :data:`PROTOCOLS`); '' defers to
     ``deterministic``, then to the checkpoint."""
     reachability_tries: int = 0
     """Exploratory episodes per failed held-out scene for the reachability measurement (0 skips it)."""

@@ -185,6 +185,12 @@ class ChainConfig(SamplingConfig, PPOConfig):
     divided by the running std of the rewards' backward-discounted sums, discount 0.99, clipped to +-10;
     :class:`~diffpolicy.rl.advantages.RunningRewardScaler`; a time-limit cut's bootstrap value is added after
     scaling, being in the critic's units already). GAE only (GRPO normalises its returns anyway)."""
+    critic_input: str = "cond"
+    """What the critic reads: cond (the policy's fused observation vector, frozen features trained for
+    imitation) | state (the normalised state vector; DPPO's Gym critic, which reads the raw normalised
+    observation). See :class:`~diffpolicy.models.critic.Critic`."""
+    critic_hidden: list[int] = field(default_factory=lambda: [256, 256])
+    """Hidden widths of the critic's MLP (DPPO's Gym critic: 256 x 3)."""
     finetune_encoders: bool = False
     """PPO also updates the observation encoders (re-encodes every minibatch: several times slower on a CPU);
     when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
@@ -199,6 +205,11 @@ class ChainConfig(SamplingConfig, PPOConfig):
         _choice("algo.normalize", self.normalize, ("mean", "self"))
         _choice("algo.reg", self.reg, ("none", "kl", "bc"))
         _choice("algo.reward_scale", self.reward_scale, ("none", "running"))
+        _choice("algo.critic_input", self.critic_input, ("cond", "state"))
+        if not self.critic_hidden or any(int(h) <= 0 for h in self.critic_hidden):
+            raise ValueError(
+                f"algo.critic_hidden={list(self.critic_hidden)} needs one or more positive widths"
+            )
         if self.reward_scale != "none" and self.advantage == "grpo":
             raise ValueError(
                 "algo.reward_scale=running needs algo.advantage=gae (GRPO normalises its returns)"

@@ -140,6 +140,13 @@ class NoiseSchedule(nn.Module):
         twin._float_coefs = [c._replace(std=float(v)) for c, v in zip(twin._float_coefs, std.tolist())]
         return twin
 
+    def with_eta(self, eta: float) -> NoiseSchedule:
+        """A copy with another eta, the same timesteps, K', floor and clipping (``eta=0`` with every step's
+        mean taken is DDIM's deterministic sampler: the ``ddim`` protocol)."""
+        return NoiseSchedule(
+            self.train_timesteps, self.ddim_steps, self.ft_steps, eta, self.min_std, self.clip_sample
+        ).to(self.std.device)
+
     @property
     def first_ft_step(self) -> int:
         """Index (in sampling order 0..K-1) of the first fine-tuned step, K - K'."""

@@ -20,7 +20,7 @@ from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, seed_for_rank
 from diffpolicy.env_factory import make_envs
 from diffpolicy.modalities import MODALITIES
-from diffpolicy.models.critic import Critic
+from diffpolicy.models.critic import make_critic
 from diffpolicy.rl.advantages import RunningRewardScaler, gae_advantages, grpo_advantages
 from diffpolicy.rl.buffer import TEXT, RolloutBuffer, ppo_specs
 from diffpolicy.rl.chain.rollout import collect_rollout
@@ -62,7 +62,9 @@ class ChainLearner(PolicyLearner):
             if algo.reg != "none" and algo.reg_coef > 0
             else None
         )
-        self.critic = Critic(cfg.policy.cond_dim).to(rt.device)
+        self.critic = make_critic(policy, cfg.policy.cond_dim, algo.critic_input, algo.critic_hidden).to(
+            rt.device
+        )
         actor_params = [p for p in policy.parameters() if p.requires_grad]
         self.learner = ChainModules(
             policy=policy,

@@ -62,7 +62,7 @@ def collect_rollout(
         t0 = time.perf_counter()
         pobs = to_policy_obs(obs, device)
         actions, out = act(policy, pobs, return_chain=True, autocast=autocast, generator=generator)
-        values = critic(out.cond)  # (N,) fp32
+        values = critic(out.cond, pobs.get("state"))  # (N,) fp32
         t1 = time.perf_counter()
         next_obs, reward, term, trunc, info = venv.step(actions)
         stats.policy_s, stats.env_s = stats.policy_s + t1 - t0, stats.env_s + time.perf_counter() - t1
@@ -75,7 +75,7 @@ def collect_rollout(
         if bootstrap and cut.size:  # fold a cut's bootstrap into the reward (the GAE op's contract)
             final = to_policy_obs(stack_final_obs(info["final_obs"], cut), device)
             with autocast() if autocast is not None else torch.autocast("cpu", enabled=False):
-                v_final = critic(policy.encode(final, augment=False))
+                v_final = critic(policy.encode(final, augment=False), final.get("state"))
             boot[cut] = gamma * v_final.float().cpu().numpy()
             reward[cut] += boot[cut]
         done = term | trunc
@@ -98,5 +98,6 @@ def collect_rollout(
         finished |= done
         obs = next_obs
     with autocast() if autocast is not None else torch.autocast("cpu", enabled=False):
-        last_value = critic(policy.encode(to_policy_obs(obs, device), augment=False))
+        pobs = to_policy_obs(obs, device)
+        last_value = critic(policy.encode(pobs, augment=False), pobs.get("state"))
     return last_value.float(), stats

@@ -228,7 +228,7 @@ def _minibatch_loss(
     adv_k = denoise_discount(adv, old_logp.shape[1], cfg.denoise_gamma)  # (B, K')
     pg, stats = policy_loss(new_logp, old_logp, adv_k, clip_eps, mode=cfg.clip, normalize=cfg.normalize)
     zero = torch.zeros((), device=pg.device)
-    v_loss = value_loss(learner.critic(cond.detach()), mb["returns"]) if use_critic else zero
+    v_loss = value_loss(learner.critic(cond.detach(), mb.get("state")), mb["returns"]) if use_critic else zero
     reg = zero
     if learner.reference is not None:
         with runtime.autocast():
@@ -283,7 +283,7 @@ def _critic_step(
     """One critic-only step (the warm-up): value loss on the condition, the policy untouched."""
     with torch.no_grad(), runtime.autocast():
         cond = mb["cond"] if reuse_cond else learner.policy.encode(obs, augment=False)
-    v_loss = value_loss(learner.critic(cond.float()), mb["returns"])
+    v_loss = value_loss(learner.critic(cond.float(), mb.get("state")), mb["returns"])
     learner.critic_optim.zero_grad(set_to_none=True)
     v_loss.backward()
     average_gradients(list(learner.critic.parameters()), info)
