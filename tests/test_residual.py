@@ -64,6 +64,50 @@ def test_log_prob_matches_torch_distributions() -> None:
     torch.testing.assert_close(head.entropy(), ent)
 
 
+def test_a_capped_std_bounds_sampling_log_probs_and_entropy() -> None:
+    """``max_std`` caps sigma wherever it is used (draws, log-probs against ``torch.distributions`` at the
+    capped std, entropy), and ``log_std`` beyond the cap gets no gradient, so exploration cannot outgrow it."""
+    head = _head(init_std=0.5)
+    head.max_std = 0.05
+    x = torch.randn(4096, head.input_dim, generator=torch.Generator().manual_seed(2))
+    u, logp = head.sample(x, generator=torch.Generator().manual_seed(3))
+    assert abs(float(u.std()) - 0.05) < 0.003  # mean 0 at init: u is the noise
+    ref = torch.distributions.Normal(head(x), torch.full((3,), 0.05)).log_prob(u).sum(-1)
+    torch.testing.assert_close(logp, ref)
+    torch.testing.assert_close(head.log_prob(x, u), ref)
+    want_h = torch.distributions.Normal(torch.zeros(3), torch.full((3,), 0.05)).entropy().sum()
+    torch.testing.assert_close(head.entropy(), want_h)
+    head.log_prob(x[:8], u[:8]).sum().backward()
+    assert float(head.log_std.grad.abs().max()) == 0.0
+
+
+def _fake_score(fragility: float, base: float = 2320.0, success: bool = False):
+    """A base whose figure falls linearly with the action noise std: return base - fragility * std."""
+    from diffpolicy.evaluation import EvalResult
+
+    def score(std: float) -> EvalResult:
+        value = base - fragility * std
+        return EvalResult(success_rate=value if success else 0.0, mean_return=value, episodes=10,
+                          env_steps=100, reports_success=success)  # fmt: skip
+
+    return score
+
+
+def test_tolerated_std_halves_until_the_base_keeps_its_figure() -> None:
+    """The residual's exploration bound (issue: Hopper's noiseless BC fell 2320 -> 1129 under a head exploring
+    with 0.02 env units): a fragile base (-50 000 return per unit of noise std) gets the largest halving of the
+    start whose return stays within 10 %; a robust one keeps the start; a success rate is judged in absolute
+    terms; a base that tolerates nothing gets the smallest level tried."""
+    from diffpolicy.rl.residual.learner import tolerated_std
+
+    std, seen, steps = tolerated_std(_fake_score(50_000.0), 0.02, 0.1)
+    assert std == 0.02 / 8 and seen[0.0] == 2320.0 and seen[0.02] < 0.9 * 2320 <= seen[std]
+    assert steps == 100 * 5  # noise-free + 4 levels
+    assert tolerated_std(_fake_score(100.0), 0.02, 0.1)[0] == 0.02
+    assert tolerated_std(_fake_score(10.0, base=0.9, success=True), 0.02, 0.1)[0] == 0.02 / 2
+    assert tolerated_std(_fake_score(1e9), 0.02, 0.1, levels=3)[0] == 0.02 / 4
+
+
 def test_inputs_encode_state_action_phase_and_need_cond_when_sized() -> None:
     head = ResidualHead(5, 2, 3, cond_dim=4, hidden=(8,))
     x = head.inputs(torch.zeros(2, 5), torch.ones(2, 2), torch.tensor([0, 2]), torch.full((2, 4), 3.0))
@@ -258,7 +302,11 @@ def test_residual_tiny_run_end_to_end(residual_run: tuple[Path, dict]) -> None:
     from diffpolicy.policy_io import load_policy
 
     run_dir, summary = residual_run
-    assert summary["learner"] == "residual" and summary["env_steps"] == 3 * 12 * 2
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (bound,) = [r for r in lines if r.get("event") == "residual_std_bound"]  # measured once, before rollouts
+    assert 0 < bound["sigma_max"] <= ResidualConfig().residual_init_std + 1e-9
+    tolerance_steps = summary["env_steps"] - 3 * 12 * 2  # the bound's validation episodes count as env steps
+    assert summary["learner"] == "residual" and tolerance_steps > 0
     assert summary["eval_episodes"] == 4 and len(summary["ppo_ci"]) == 2 and summary["env_sps"] > 0
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "losses/signal_drift" in r]
     assert len(rows) == 3 and all(r["losses/step_scale"] == 1.0 for r in rows)

@@ -262,6 +262,14 @@ class ResidualConfig(PPOConfig):
     max_drift: float = 0.01
     """Trust region, largest RMS change of the executed correction per update (env action units; 0
     disables)."""
+    noise_tolerance: float = 0.1
+    """Bound the head's exploration by what the base tolerates: before the first rollout, the base's
+    noise-free figure on ``tolerance_episodes`` validation episodes is measured without and with per-step
+    Gaussian action noise of std alpha * residual_init_std, halved until the figure stays within this much of
+    the noise-free one (a fraction of the return, or of success rate); the head's sigma is capped at that std
+    / alpha for the whole run (:func:`diffpolicy.rl.residual.learner.tolerated_std`). 0 disables."""
+    tolerance_episodes: int = 10
+    """Validation episodes per noise level of the ``noise_tolerance`` measurement."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -277,6 +285,8 @@ class ResidualConfig(PPOConfig):
         _positive("algo.signal_margin", self.signal_margin)
         for name in ("ent_coef", "residual_l2", "max_drift"):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+        _unit("algo.noise_tolerance", self.noise_tolerance)
+        _positive("algo.tolerance_episodes", self.tolerance_episodes)
 
 
 @dataclass

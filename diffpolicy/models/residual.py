@@ -49,6 +49,10 @@ class ResidualHead(nn.Module):
         hidden: hidden widths of the mean network (tanh activations).
         alpha: bound of the correction, env action units.
         init_std: initial sigma of u (learnable, per action dimension).
+
+    ``max_std`` (a float attribute, inf by default; the learner sets it from what the base tolerates) caps
+    sigma: every use of the std reads ``log_std`` clamped at log(max_std), so exploration never exceeds it
+    however the optimiser moves ``log_std``.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class ResidualHead(nn.Module):
         nn.init.zeros_(last.weight)  # mu = 0 exactly: the deterministic action is the base action
         nn.init.zeros_(last.bias)
         self.log_std = nn.Parameter(torch.full((action_dim,), math.log(init_std)))
+        self.max_std = math.inf
 
     def inputs(
         self,
@@ -102,33 +107,40 @@ class ResidualHead(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             return self.mean_net(x.float())
 
+    def capped_log_std(self) -> torch.Tensor:
+        """(Da,) log sigma of u, clamped at log(``max_std``)."""
+        if math.isinf(self.max_std):
+            return self.log_std
+        return self.log_std.clamp(max=math.log(self.max_std))
+
     @property
     def std(self) -> torch.Tensor:
-        """(Da,) sigma of u."""
-        return self.log_std.exp()
+        """(Da,) sigma of u (capped at ``max_std``)."""
+        return self.capped_log_std().exp()
 
     def log_prob(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """log N(u; mu(x), sigma^2) summed over Da: x (B, input_dim), u (B, Da) -> (B,) float32."""
-        mean = self(x)
-        z = (u.float() - mean) / self.std
-        return (-0.5 * z.square() - self.log_std - _HALF_LOG_2PI).sum(-1)
+        mean, log_std = self(x), self.capped_log_std()
+        z = (u.float() - mean) / log_std.exp()
+        return (-0.5 * z.square() - log_std - _HALF_LOG_2PI).sum(-1)
 
     def entropy(self) -> torch.Tensor:
         """Entropy of the Gaussian over u (scalar; independent of x)."""
-        return (self.log_std + 0.5 + _HALF_LOG_2PI).sum()
+        return (self.capped_log_std() + 0.5 + _HALF_LOG_2PI).sum()
 
     def sample(
         self, x: torch.Tensor, *, deterministic: bool = False, generator: torch.Generator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw u (its mean when deterministic) and its log-prob: x (B, input_dim) -> u (B, Da), logp (B,)."""
-        mean = self(x)
+        mean, log_std = self(x), self.capped_log_std()
+        std = log_std.exp()
         if deterministic:
             u = mean
         else:
             eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-            u = mean + self.std * eps
-        z = (u - mean) / self.std
-        logp = (-0.5 * z.square() - self.log_std - _HALF_LOG_2PI).sum(-1)
+            u = mean + std * eps
+        z = (u - mean) / std
+        logp = (-0.5 * z.square() - log_std - _HALF_LOG_2PI).sum(-1)
         return u, logp
 
     def correct(self, base_action: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ the head's module is :class:`diffpolicy.models.residual.ResidualHead`.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,8 +17,9 @@ import torch
 from diffpolicy import checkpoint
 from diffpolicy.config import ResidualConfig, TrainConfig
 from diffpolicy.device import Runtime
-from diffpolicy.distributed import DistInfo, seed_for_rank
+from diffpolicy.distributed import DistInfo, rank_mean, seed_for_rank
 from diffpolicy.env_factory import make_envs
+from diffpolicy.evaluation import EvalResult, Exploration, evaluate
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
 from diffpolicy.ops import gae
 from diffpolicy.policies.residual import ResidualPolicy, StepActor
@@ -45,6 +48,30 @@ def residual_description(head: ResidualHead, hidden: list[int]) -> dict[str, Any
     return {"alpha": head.alpha, "hidden": list(hidden), "cond_dim": head.cond_dim}
 
 
+def tolerated_std(
+    score: Callable[[float], EvalResult], start: float, tolerance: float, levels: int = 6
+) -> tuple[float, dict[float, float], int]:
+    """The largest per-step action noise std of ``start`` * 2^-i (i < ``levels``) under which the base's figure
+    stays within ``tolerance`` of its noise-free figure; the smallest tried when none does.
+
+    ``score(std)`` evaluates the base with that much Gaussian action noise (0: none). The figure is the success
+    rate (within ``tolerance`` of it, absolute) or, for an environment without success, the mean return (within
+    ``tolerance`` x |return|). Returns (std, {std: figure} for every level tried, env steps spent).
+    """
+    ref = score(0.0)
+    goal = ref.reports_success
+    figure = (lambda r: r.success_rate) if goal else (lambda r: r.mean_return)
+    floor = figure(ref) - (tolerance if goal else tolerance * abs(figure(ref)))
+    seen, steps, std = {0.0: figure(ref)}, ref.env_steps, start
+    for i in range(levels):
+        std = start * 0.5**i
+        res = score(std)
+        seen[std], steps = figure(res), steps + res.env_steps
+        if figure(res) >= floor:
+            break
+    return std, seen, steps
+
+
 @register(ResidualConfig)
 class ResidualLearner:
     """Residual PPO over control steps on top of the frozen ``base`` policy."""
@@ -70,9 +97,39 @@ class ResidualLearner:
             algo.n_steps, n, residual_specs(self.head.input_dim, base.action_dim), rt.device
         )
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tolerance_steps = 0
 
     def begin(self) -> None:
-        """Nothing to prepare: the residual update keeps no snapshot."""
+        """Bound the head's exploration by what the base tolerates (``algo.noise_tolerance``), once per run: a
+        base cloned from noiseless demonstrations can lose half its return to noise it has never seen, and
+        PPO would then learn a correction for the noisy policy that harms the deployed one. A resumed run
+        keeps the bound its checkpoint holds."""
+        algo, cfg = self.cfg.algo, self.cfg
+        self._tolerance_steps = 0
+        if algo.noise_tolerance <= 0 or not math.isinf(self.head.max_std):
+            return
+        base = self.policy.base
+        n = algo.tolerance_episodes
+
+        def score(std: float) -> EvalResult:
+            return evaluate(
+                base, cfg.env, n_action_steps=base.n_action_steps, n_episodes=n, seed=cfg.val_seed,
+                num_envs=min(cfg.env.num_envs, n), device=self.rt.device, deterministic=True,
+                autocast=self.rt.autocast, exploration=Exploration(std, "step") if std > 0 else None,
+            )  # fmt: skip
+
+        start = algo.residual_alpha * algo.residual_init_std
+        std, seen, self._tolerance_steps = tolerated_std(score, start, algo.noise_tolerance)
+        std = rank_mean(std, self.info, self.rt.device)  # one bound on every rank
+        self.head.max_std = std / algo.residual_alpha
+        if self.logger is not None:
+            levels = ", ".join(f"{k:.3g}: {v:.3g}" for k, v in seen.items())
+            self.logger.event(
+                "residual_std_bound",
+                f"base's figure under per-step action noise (std: figure) {levels}; the head explores with "
+                f"at most {std:.3g} env units (sigma of u <= {self.head.max_std:.3g})",
+                0, action_std=std, sigma_max=self.head.max_std,
+            )  # fmt: skip
 
     def rollout(self, seed: int) -> RolloutStats:
         """Fill the buffer with T control steps per environment and compute GAE over them."""
@@ -83,6 +140,8 @@ class ResidualLearner:
             seeds=env_seeds(self.cfg, seed), gamma=algo.gamma, max_episode_steps=self.cfg.env.max_episode_steps,
             generator=torch.Generator(device=self.rt.device).manual_seed(seed),
         )  # fmt: skip
+        stats.env_steps += self._tolerance_steps  # the bound's episodes count once, in the first iteration
+        self._tolerance_steps = 0
         data = self.buffer.get()
         self._last = gae(
             data["rewards"], data["values"], data["dones"], last_value.float(), algo.gamma, algo.gae_lambda
@@ -106,6 +165,7 @@ class ResidualLearner:
             "critic_optim": self.learner.critic_optim.state_dict(),
             "evidence": self.learner.evidence.state(),
             "trust": self.learner.trust,
+            "max_std": self.head.max_std,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -115,6 +175,7 @@ class ResidualLearner:
         self.learner.critic_optim.load_state_dict(state["critic_optim"])
         self.learner.evidence.load(state["evidence"])
         self.learner.trust = float(state["trust"])
+        self.head.max_std = float(state.get("max_std", math.inf))  # checkpoints before the bound: none
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.head, self.critic]
