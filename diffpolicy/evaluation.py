@@ -21,6 +21,7 @@ from diffpolicy.config import EnvConfig, PretrainConfig, TrainConfig
 from diffpolicy.env_factory import make_envs, make_one_env, step_info
 from diffpolicy.policies.base import act, to_policy_obs
 from diffpolicy.policies.residual import ResidualPolicy, StepActor
+from diffpolicy.policy_io import sampling_under
 
 FAILED = "failed"
 """Outcome of an unsuccessful episode whose environment reports no ``info["outcome"]``."""
@@ -395,37 +396,43 @@ def split_seeds(cfg: TrainConfig | PretrainConfig, split: str) -> tuple[int, int
 
 
 def protocol_of(cfg: TrainConfig | PretrainConfig) -> str:
-    """The protocol :func:`held_out` judges under: ``noise_free`` (every DDIM step's mean) when the learner's
-    policy acts that way (``cfg.algo.judged_noise_free``) or ``cfg.eval_deterministic``, else
-    ``exploration`` (the stochastic chain the rollouts sample). ``train`` writes it into every checkpoint."""
+    """The protocol :func:`held_out` judges under: ``cfg.eval_protocol`` when named; else ``noise_free``
+    (every DDIM step's mean) when the learner's policy acts that way (``cfg.algo.judged_noise_free``) or
+    ``cfg.eval_deterministic``, else ``exploration`` (the stochastic chain the rollouts sample). ``train``
+    writes it into every checkpoint."""
+    if cfg.eval_protocol:
+        return cfg.eval_protocol
     return "noise_free" if cfg.algo.judged_noise_free or cfg.eval_deterministic else "exploration"
 
 
 def held_out(
-    policy: Any, cfg: TrainConfig | PretrainConfig, runtime: Any, split: str = "test", episodes: int = 0
+    policy: Any,
+    cfg: TrainConfig | PretrainConfig,
+    runtime: Any,
+    split: str = "test",
+    episodes: int = 0,
+    protocol: str = "",
 ) -> EvalResult:
     """The held-out evaluation that ``train`` (before and after PPO) and ``pretrain`` report, one protocol so
-    that their success rates compare: the ``split``'s episodes (:func:`split_seeds`: validation, or the test
-    seeds of the reported figure), in waves of
-    min(``env.num_envs``, episodes) environments, on ``runtime``'s device and autocast. A chain policy takes
-    every DDIM step's mean when the learner says its policy acts that way (``cfg.algo.judged_noise_free``:
-    residual, whose base samples so, and filtered_bc, whose rollouts do) or ``cfg.eval_deterministic``, else
-    samples the stochastic chain; a base + residual policy always runs its deterministic base and mean
-    correction. ``episodes`` > 0
-    takes the split's first that many instead (the rollback guard's validation check)."""
+    that their figures compare: the ``split``'s episodes (:func:`split_seeds`: validation, or the test
+    seeds of the reported figure), in waves of min(``env.num_envs``, episodes) environments, on ``runtime``'s
+    device and autocast, under ``protocol`` ('' = :func:`protocol_of`; the policy's own schedule is back
+    afterwards). A base + residual policy always runs its deterministic base and mean correction.
+    ``episodes`` > 0 takes the split's first that many instead (the rollback guard's validation check)."""
     seed, n = split_seeds(cfg, split)
     episodes = episodes or n
-    return evaluate(
-        policy,
-        cfg.env,
-        n_action_steps=policy.n_action_steps,
-        n_episodes=episodes,
-        seed=seed,
-        num_envs=min(cfg.env.num_envs, episodes),
-        device=runtime.device,
-        deterministic=protocol_of(cfg) == "noise_free",
-        autocast=runtime.autocast,
-    )
+    with sampling_under(policy, protocol or protocol_of(cfg)) as deterministic:
+        return evaluate(
+            policy,
+            cfg.env,
+            n_action_steps=policy.n_action_steps,
+            n_episodes=episodes,
+            seed=seed,
+            num_envs=min(cfg.env.num_envs, episodes),
+            device=runtime.device,
+            deterministic=deterministic,
+            autocast=runtime.autocast,
+        )
 
 
 def record_video(

@@ -18,6 +18,8 @@ does not fit raises :class:`CheckpointError` in one line.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,21 @@ def apply_protocol(policy: Any, protocol: str) -> None:
         policy.schedule = schedule.with_natural_std()
     elif protocol == "ddim" and schedule is not None:
         policy.schedule = schedule.with_eta(0.0)
+
+
+@contextmanager
+def sampling_under(policy: Any, protocol: str) -> Iterator[bool]:
+    """Within the block ``policy`` samples under ``protocol`` (:func:`apply_protocol`); yields the
+    ``deterministic`` flag to sample with, and gives the policy its own schedule back on exit."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r} is not one of {', '.join(PROTOCOLS)}")
+    schedule = getattr(policy, "schedule", None)
+    apply_protocol(policy, protocol)
+    try:
+        yield PROTOCOLS[protocol]
+    finally:
+        if schedule is not None:
+            policy.schedule = schedule
 
 
 def save_policy(

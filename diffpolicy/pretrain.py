@@ -60,6 +60,14 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
             summary["return_ci"] = [round(v, 2) for v in result.return_ci()]  # 95 % Student-t interval
             summary["eval_episodes"] = result.episodes
             summary["split"] = {"test": {"first_seed": cfg.eval_seed, "episodes": result.episodes}}
+            summary["protocols"] = {}  # report_protocols: the same test seeds under further protocols
+            for name in cfg.report_protocols:
+                res = held_out(policy, cfg, runtime, protocol=name)
+                summary["protocols"][name] = {
+                    "mean_return": round(res.mean_return, 2),
+                    "return_ci": [round(v, 2) for v in res.return_ci()],
+                    "success_rate": res.success_rate if res.reports_success else None,
+                }
         if cfg.val_episodes > 0:  # the seeds BC settings are chosen on, reported apart from the test figure
             val = held_out(policy, cfg, runtime, "val")
             if val.reports_success:

@@ -252,6 +252,10 @@ def evaluate_bc(cfg: TrainConfig, rt: Runtime, info: DistInfo, logger: Logger, l
     before = held_out(learner.policy, cfg, rt, "test")
     val = eval_record(held_out(learner.policy, cfg, rt, "val")) if cfg.val_episodes else None
     bc = {**eval_record(before), "val": val}
+    bc["protocols"] = {  # the test figure under each further protocol the summary reports
+        name: eval_record(held_out(learner.policy, cfg, rt, "test", protocol=name))
+        for name in cfg.report_protocols
+    }
     first = {"eval/mean_return": float(np.mean(bc["returns"]))}
     if before.reports_success:
         first["eval/success_rate"] = sum(bc["successes"]) / len(bc["successes"])
@@ -340,6 +344,14 @@ def summarize(
     t0 = time.perf_counter()
     after_val = eval_record(held_out(learner.policy, cfg, rt, "val")) if cfg.val_episodes else None
     after = held_out(learner.policy, cfg, rt, "test")  # once, at the end: the reported figure
+    protocols = {
+        name: protocol_row(
+            progress.bc.get("protocols", {}).get(name),
+            eval_record(held_out(learner.policy, cfg, rt, "test", protocol=name)),
+            goal,
+        )
+        for name in cfg.report_protocols
+    }
     progress.stages["eval"] = time.perf_counter() - t0
     goal = goal and after.reports_success
     last = {"eval/mean_return": after.mean_return}
@@ -366,6 +378,7 @@ def summarize(
         "ppo_return_ci": [round(v, 2) for v in after.return_ci()],
         "eval_episodes": after.episodes,
         "protocol": protocol_of(cfg),  # how both figures were sampled; the checkpoints carry it
+        "protocols": protocols,  # report_protocols: the same test seeds under further protocols
         # which seeds each figure comes from: the top-level figures are the test split's
         "splits": {
             "test": {"first_seed": cfg.eval_seed, "episodes": after.episodes, "use": "reported figure"},
@@ -402,6 +415,19 @@ def eval_record(result: EvalResult) -> dict[str, Any]:
     """What a checkpoint keeps of an evaluation: per-episode successes, outcomes and returns."""
     return {"successes": result.successes, "outcomes": result.outcomes, "returns": result.returns,
             "reports_success": result.reports_success}  # fmt: skip
+
+
+def protocol_row(bc: dict[str, Any] | None, after: dict[str, Any], goal: bool) -> dict[str, Any]:
+    """One further protocol's test figures (``report_protocols``): the mean return with its 95 % interval, and
+    the success rate where the env has one, for BC (None when its record predates the protocol) and after."""
+    row: dict[str, Any] = {}
+    for who, rec in (("bc", bc), ("ppo", after)):
+        returns = rec["returns"] if rec else []
+        row[f"{who}_return"] = round(float(np.mean(returns)), 2) if returns else None
+        row[f"{who}_return_ci"] = [round(v, 2) for v in mean_interval(returns)] if returns else None
+        if goal:
+            row[f"{who}_success_rate"] = sum(rec["successes"]) / len(rec["successes"]) if rec else None
+    return row
 
 
 def val_scalars(record: dict[str, Any]) -> dict[str, float]:

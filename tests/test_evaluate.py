@@ -119,8 +119,36 @@ def test_a_named_protocol_wins_and_may_not_contradict_deterministic():
     assert sampling_protocol(ck, None, "dppo") == (False, "dppo", "override")
     with pytest.raises(ValueError, match="protocol=dppo and deterministic=True disagree"):
         sampling_protocol(ck, True, "dppo")
-    with pytest.raises(ValueError, match="protocol='ddim' is not one of"):
-        sampling_protocol(ck, None, "ddim")
+    assert sampling_protocol(ck, None, "ddim") == (True, "ddim", "override")
+    with pytest.raises(ValueError, match="protocol='ddpm' is not one of"):
+        sampling_protocol(ck, None, "ddpm")
+
+
+def test_sampling_under_a_protocol_gives_the_schedule_back():
+    """``held_out(..., protocol=)`` evaluates under a protocol inside ``sampling_under``: the policy's own
+    schedule is back afterwards, even when the block raises; config names are checked once, clearly."""
+    from diffpolicy.config import PROTOCOLS
+    from diffpolicy.config.jobs import check_protocols
+    from diffpolicy.diffusion.schedule import NoiseSchedule
+    from diffpolicy.policy_io import sampling_under
+
+    class Holder:
+        schedule = NoiseSchedule(100, 10, 5, eta=1.0, min_std=0.1)
+
+    p, own = Holder(), Holder.schedule
+    for name in PROTOCOLS:
+        with sampling_under(p, name) as deterministic:
+            assert deterministic == PROTOCOLS[name]
+            assert (p.schedule is own) == (name in ("noise_free", "exploration"))
+        assert p.schedule is own
+    with pytest.raises(RuntimeError), sampling_under(p, "ddim"):
+        assert p.schedule.eta == 0.0
+        raise RuntimeError
+    assert p.schedule is own
+    with pytest.raises(ValueError, match="report_protocols='mean' is not allowed"):
+        check_protocols("", ["dppo", "mean"], False)
+    with pytest.raises(ValueError, match="eval_protocol=dppo samples noise but eval_deterministic=true"):
+        check_protocols("dppo", [], True)
 
 
 def test_a_protocol_the_code_does_not_know_is_one_clear_error():

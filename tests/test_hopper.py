@@ -122,6 +122,11 @@ def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
     for key in ("bc_success_rate", "ppo_success_rate", "bc_ci", "ppo_ci", "failures"):
         assert summary[key] is None, key  # Hopper reports no success: no 0.0 that reads as "always fails"
     assert summary["eval_episodes"] == 2 and summary["env_steps"] > 0
+    # env=hopper reports the deployed (noise-free) policy, and the same test seeds under DPPO's protocol and
+    # the sampled chain; the checkpoints carry the reported one
+    assert summary["protocol"] == "noise_free" and sorted(summary["protocols"]) == ["dppo", "exploration"]
+    for row in summary["protocols"].values():
+        assert row["bc_return"] is not None and row["ppo_return"] is not None and "bc_success_rate" not in row
     lo, hi = summary["ppo_return_ci"]
     assert lo <= summary["ppo_return"] <= hi
     assert (run / "return.png").is_file()

@@ -54,6 +54,16 @@ def derive_from_obs_mode(
     return policy, dataclasses.replace(bc, **changes) if changes else bc
 
 
+def check_protocols(eval_protocol: str, report: list[str], eval_deterministic: bool) -> None:
+    """ValueError for a protocol name that is not in :data:`PROTOCOLS`, or one that contradicts
+    ``eval_deterministic``."""
+    _choice("eval_protocol", eval_protocol, ("", *PROTOCOLS))
+    for name in report:
+        _choice("report_protocols", name, tuple(PROTOCOLS))
+    if eval_protocol and eval_deterministic and not PROTOCOLS[eval_protocol]:
+        raise ValueError(f"eval_protocol={eval_protocol} samples noise but eval_deterministic=true; give one")
+
+
 @dataclass
 class TrainConfig:
     """``python -m diffpolicy.train``: collect, pre-train, fine-tune with PPO, evaluate."""
@@ -88,6 +98,13 @@ class TrainConfig:
     (the default, so that BC and PPO are judged as the policy that is trained). A residual head's base always
     samples deterministically. ``pretrain`` has the same field, evaluated the same way
     (:func:`diffpolicy.evaluation.held_out`), so their success rates compare."""
+    eval_protocol: str = ""
+    """The named protocol (:data:`PROTOCOLS`) BC, the guard and the fine-tuned policy are judged under and the
+    checkpoints record (what ``evaluate``, ``export`` and ``serve`` then use); '' = the learner's own
+    (``noise_free`` for residual and filtered_bc or with ``eval_deterministic``, else ``exploration``)."""
+    report_protocols: list[str] = field(default_factory=list)
+    """More protocols under which BC and the fine-tuned policy are also evaluated once on the test split,
+    reported under ``protocols`` in the summary (e.g. ``[dppo]``: DPPO's deterministic beside the mean)."""
     cache_dir: str = ""
     """Where demonstrations and the pre-trained checkpoint are cached between runs ('' = $DIFFPOLICY_CACHE,
     else runs/cache)."""
@@ -109,6 +126,7 @@ class TrainConfig:
             self.algo.resolve_ft_steps(self.policy.ddim_steps)
         val_used = max(self.val_episodes, self.algo.rollback_episodes)  # the guard reads the first n of them
         check_splits(self.val_seed, val_used, self.eval_seed, self.eval_episodes)
+        check_protocols(self.eval_protocol, self.report_protocols, self.eval_deterministic)
         if isinstance(self.algo, PPOConfig) and isinstance(self.env, EnvConfig):
             if self.algo.advantage == "grpo" and self.env.num_envs % self.algo.group_size:
                 raise ValueError(
@@ -180,6 +198,10 @@ class PretrainConfig:
     eval_deterministic: bool = False
     """As ``train``'s: every DDIM step's mean (always so with ``algo=residual``, whose base samples that
     way), else the stochastic chain the chain learner fine-tunes."""
+    eval_protocol: str = ""
+    """As ``train``'s: the named protocol BC is judged under ('' = the learner's own)."""
+    report_protocols: list[str] = field(default_factory=list)
+    """As ``train``'s: more protocols BC is also evaluated under on the test split (summary ``protocols``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.env, EnvConfig):  # first: the replace below would make the derived values set ones
@@ -191,6 +213,7 @@ class PretrainConfig:
         _positive("seed", self.seed, allow_zero=True)
         _positive("eval_episodes", self.eval_episodes, allow_zero=True)
         check_splits(self.val_seed, self.val_episodes, self.eval_seed, self.eval_episodes)
+        check_protocols(self.eval_protocol, self.report_protocols, self.eval_deterministic)
         if self.demos and isinstance(self.bc, BCConfig) and self.bc.demos != self.demos:
             if self.bc.demos:
                 raise ValueError(
