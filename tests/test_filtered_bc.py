@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from diffpolicy.rl.filtered_bc import WindowStore, concat_batches, ema_update
@@ -246,3 +247,117 @@ def test_bc_step_benchmark_reports_each_batch_against_the_reference() -> None:
     assert all(r["s_per_step"] > 0 and r["ms_per_window"] > 0 for r in out["batches"].values())
     with pytest.raises(ValueError, match="bc_step takes"):
         run(repeats=1, batch=8)
+
+
+# ------------------------------------------------------------------------------- direction of each update
+def _tiny_policy(ft_steps: int = 3):
+    from diffpolicy.config import EncoderConfig, PolicyConfig
+    from diffpolicy.policies import make_policy
+
+    enc = EncoderConfig(state_hidden=16, token_dim=16, fusion_heads=2)
+    cfg = PolicyConfig(encoder=enc, cond_dim=16, down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=8,
+                       n_action_steps=4, train_timesteps=50, ddim_steps=5)  # fmt: skip
+    torch.manual_seed(0)
+    policy = make_policy(cfg, {"state": (5,)}, 2, text_backend="hash")
+    policy.set_sampling(ft_steps=ft_steps, eta=1.0, min_std=0.05, freeze=False)
+    policy.fit_normalizers(actions=torch.rand(64, 2) * 2 - 1, state=torch.rand(64, 5) * 2 - 1)
+    return policy
+
+
+def _runtime():
+    from diffpolicy.config import DeviceConfig
+    from diffpolicy.device import Runtime
+
+    return Runtime.from_config(DeviceConfig(type="cpu"))
+
+
+def test_a_filtered_round_moves_the_policy_toward_the_kept_episode_not_the_failed_one() -> None:
+    """Direction of filtered_bc: one round in which, from the same observation, a successful episode executed
+    +0.6 and a failed one -0.6. ``choose`` keeps the success, ``update`` continues BC, and the deployed
+    (noise-free, EMA) action there moves to the success's side. A learner that imitated the failure, or
+    every episode alike, would not."""
+    import copy
+    from types import SimpleNamespace
+
+    from diffpolicy.config import FilteredBCConfig
+    from diffpolicy.distributed import DistInfo
+    from diffpolicy.rl.filtered_bc import FilteredBCLearner
+
+    policy = _tiny_policy()
+    s0 = np.full(5, 0.3, np.float32)
+    learner = object.__new__(FilteredBCLearner)
+    learner.cfg = SimpleNamespace(algo=FilteredBCConfig(bc_steps=150, lr=3e-3, batch_size=16, keep="success"),
+                                  bc=SimpleNamespace(batch_size=16, ema_decay=0.9))  # fmt: skip
+    learner.rt, learner.info, learner.logger = _runtime(), DistInfo(), None
+    learner.policy, learner.model = policy.eval(), copy.deepcopy(policy).train()
+    learner.params = [p for p in learner.model.parameters() if p.requires_grad]
+    learner.optim = torch.optim.AdamW(learner.params, lr=3e-3)
+    learner.demos = WindowStore(8)  # one demonstration elsewhere: the continuation mixes demos and kept
+    learner.demos.add_episode([({"state": -s0}, np.zeros((4, 2), np.float32))] * 2)
+    learner.kept = WindowStore(8)
+    played = [[({"state": s0}, np.full((4, 2), sign * 0.6, np.float32))] * 2 for sign in (1.0, -1.0)]
+    chosen = learner.choose([True, False], [1.0, 0.0], True)
+    assert chosen == [0]
+    learner._added = sum(learner.kept.add_episode(played[i]) for i in chosen)
+    at_s0 = {"state": torch.from_numpy(s0)[None, None]}
+    before = policy.sample(at_s0, deterministic=True).actions[0, :4]
+    learner.update(seed=0, step=0, iteration=0)
+    after = learner.policy.sample(at_s0, deterministic=True).actions[0, :4]
+    assert float((after - 0.6).abs().mean()) < 0.5 * float((before - 0.6).abs().mean())
+    assert float(after.mean()) > 0.3
+
+
+def _fpo_fell(adv: torch.Tensor) -> torch.Tensor:
+    """(T, N) fall of each stored chunk's denoising loss after one ``FPOLearner.update`` with advantages
+    ``adv`` from the same start, on the update's own draws: FPO's log-ratio (> 0: likelier)."""
+    from types import SimpleNamespace
+
+    from diffpolicy.config import FPOConfig
+    from diffpolicy.distributed import DistInfo
+    from diffpolicy.models.critic import Critic
+    from diffpolicy.rl.buffer import RolloutBuffer, ppo_specs
+    from diffpolicy.rl.fpo import FPOLearner, denoising_losses
+
+    policy = _tiny_policy()
+    policy.set_freeze_encoders(True)
+    T, N = adv.shape
+    specs = {"state": ((5,), torch.float32), **ppo_specs({}, ft_steps=3, horizon=8, action_dim=2)}
+    buffer = RolloutBuffer(T, N, {**specs, "valid": ((), torch.float32), "cond": ((16,), torch.float32)})
+    for t in range(T):
+        o = {"state": torch.randn(N, 1, 5, generator=torch.Generator().manual_seed(10 + t))}
+        out = policy.sample(o, return_chain=True, generator=torch.Generator().manual_seed(t))
+        buffer.add(state=o["state"][:, 0], chains=out.chain, logprobs=out.log_probs, values=0.0, rewards=0.0,
+                   bootstraps=0.0, dones=0.0, valid=1.0, cond=out.cond)  # fmt: skip
+    learner = object.__new__(FPOLearner)
+    algo = FPOConfig(update_epochs=1, minibatch_size=T * N, mc_draws=8, lr=1e-4, clip_eps=0.2, target_kl=0.0)
+    learner.cfg, learner.rt, learner.info = SimpleNamespace(algo=algo), _runtime(), DistInfo()
+    learner.policy, learner.buffer, learner._last = policy, buffer, (adv, torch.zeros(T, N))
+    learner.critic = Critic(16, (8,))
+    learner.actor_params = [p for p in policy.parameters() if p.requires_grad]
+    # plain SGD: Adam's per-weight normalisation would let the part all chunks share (one denoiser learns
+    # them all) move every chunk alike; SGD's step is the advantage-weighted sum of the chunks' gradients
+    learner.actor_optim = torch.optim.SGD(learner.actor_params, lr=1e-3)
+    learner.critic_optim = torch.optim.Adam(learner.critic.parameters(), lr=1e-3)
+    data = buffer.get()
+    x0, cond = data["chains"][:, :, -1].flatten(0, 1), data["cond"].flatten(0, 1)  # (T N, Ta, Da), (T N, C)
+    g = torch.Generator().manual_seed(0)  # the draws the update takes with seed 0: FPO's own ratio
+    t_draw = torch.randint(0, 50, (T, N, 8), generator=g).flatten(0, 1)
+    eps = torch.randn(T, N, 8, 8, 2, generator=g).flatten(0, 1)
+    with torch.no_grad():
+        old = denoising_losses(policy, x0, cond, t_draw, eps, 4).mean(1)  # (T N,)
+    learner.update(seed=0, step=0, iteration=0)
+    with torch.no_grad():
+        new = denoising_losses(policy, x0, cond, t_draw, eps, 4).mean(1)
+    return (old - new).view(T, N)
+
+
+def test_the_fpo_update_makes_positive_advantage_chunks_likelier_than_negative_ones() -> None:
+    """Direction of FPO (``FPOLearner.update`` itself on a filled buffer): the update under the advantages
+    against the one under the flipped advantages, from one start, on FPO's own draws. Their difference in
+    each chunk's log-ratio, less its mean over chunks (the part every chunk shares: one denoiser learns them
+    all, so a step moves all their losses together), has the sign of the chunk's advantage. A learner with the
+    ratio or the advantage's sign wrong, or that ignores the advantages, fails."""
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0], [1.0, -1.0, 1.0, -1.0]])  # (T, N)
+    gap = _fpo_fell(adv) - _fpo_fell(-adv)  # (T, N)
+    assert (torch.sign(gap - gap.mean()) == adv).all(), gap
+    assert (gap * adv).sum() > 0
