@@ -54,8 +54,6 @@ def test_keep_chooses_successes_or_top_returns() -> None:
     env reports success; success on an env without one is a clear error."""
     from types import SimpleNamespace
 
-    import pytest
-
     from diffpolicy.config import FilteredBCConfig
     from diffpolicy.rl.filtered_bc import FilteredBCLearner
 
@@ -238,7 +236,6 @@ def test_chunk_exploration_keeps_the_executed_noisy_actions(init_ckpt: Path, mon
 
 def test_bc_step_benchmark_reports_each_batch_against_the_reference() -> None:
     """python -m diffpolicy.bench bc_step: every batch timed, the reference's ratio 1, bad options refused."""
-    import pytest
 
     from diffpolicy.benchmarks.bc_step import run
 
