@@ -134,6 +134,8 @@ def test_tiny_hopper_run(tmp_path: Path, algo: str) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert not any("rollout/success_rate" in r or "eval/success_rate" in r for r in rows)
     assert any("eval/mean_return" in r for r in rows)
+    # the guard judges the deployed (noise-free) policy on validation episodes at every iteration (train_preset)
+    assert len([r for r in rows if "val/guard_return" in r]) == 2
     if algo == "filtered_bc":  # one of each round's 4 episodes kept: its windows are in the data
         kept = [r["train/kept_windows"] for r in rows if "train/kept_windows" in r]
         added = [r["train/added_windows"] for r in rows if "train/added_windows" in r]
