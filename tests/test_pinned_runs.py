@@ -50,7 +50,8 @@ PINNED = {  # bc_return, ppo_return, validation ppo_return, env_steps, sum |w| o
     "ppo": (1.28, 1.26, 0.81, 92, 4928.924337),
     "dppo": (3.82, 3.83, 0.86, 87, 4928.778951),  # DPPO HEAD's values (lr 1e-4, reward scaling, no clip)
     "fpo": (1.28, 1.29, 0.79, 92, 4929.079323),
-    "residual": (3.5, 3.5, 1.08, 48, 4929.079762),
+    # residual: 48 env steps of rollouts + 956 of the noise-bound measurement (algo.noise_tolerance, 2026-12-03)
+    "residual": (3.5, 3.5, 1.08, 1004, 4929.079762),
     "filtered_bc": (-52.11, -51.61, -53.27, 480, 5034.370072),
 }
 
