@@ -211,6 +211,20 @@ def test_config_fields_are_validated() -> None:
 
 
 # ------------------------------------------------------------------ (4) every step bounded by target_kl
+def toy_rollout(policy: DiffusionPolicy, T: int, N: int, cond_dim: int = 16) -> RolloutBuffer:
+    """A (T, N) chain rollout of ``policy`` (5-D states, fixed seeds; zero rewards and values) in a buffer with
+    the fields the chain and FPO updates read."""
+    specs = ppo_specs({}, ft_steps=policy.ft_steps, horizon=policy.horizon, action_dim=policy.action_dim)
+    specs.update(state=((5,), torch.float32), valid=((), torch.float32), cond=((cond_dim,), torch.float32))
+    buffer = RolloutBuffer(T, N, specs)
+    for t in range(T):
+        o = {"state": torch.randn(N, 1, 5, generator=torch.Generator().manual_seed(10 + t))}
+        out = policy.sample(o, return_chain=True, generator=torch.Generator().manual_seed(t))
+        buffer.add(state=o["state"][:, 0], chains=out.chain, logprobs=out.log_probs, values=0.0, rewards=0.0,
+                   bootstraps=0.0, dones=0.0, valid=1.0, cond=out.cond)  # fmt: skip
+    return buffer
+
+
 def _update(
     lr: float,
     target_kl: float,
@@ -226,13 +240,7 @@ def _update(
     ``returns`` (T, N; default zeros) set the critic and its targets."""
     p = make(ft_steps=KP, freeze_encoders=True)
     T, N = 2, 4
-    specs = {"state": ((5,), torch.float32), **ppo_specs({}, ft_steps=KP, horizon=TA, action_dim=DA)}
-    buffer = RolloutBuffer(T, N, {**specs, "valid": ((), torch.float32), "cond": ((16,), torch.float32)})
-    for t in range(T):
-        o = {"state": torch.randn(N, 1, 5, generator=torch.Generator().manual_seed(10 + t))}
-        out = p.sample(o, return_chain=True, generator=torch.Generator().manual_seed(t))
-        buffer.add(state=o["state"][:, 0], chains=out.chain, logprobs=out.log_probs, values=0.0, rewards=0.0,
-                   bootstraps=0.0, dones=0.0, valid=1.0, cond=out.cond)  # fmt: skip
+    buffer = toy_rollout(p, T, N)
     critic = make_critic(p, 16, critic_input, (8,))
     learner = ChainModules(p, critic, torch.optim.Adam(p.parameters(), lr=lr), torch.optim.Adam(critic.parameters(), lr=critic_lr),
                       torch.amp.GradScaler("cpu", enabled=False))  # fmt: skip

@@ -309,22 +309,17 @@ def _fpo_fell(adv: torch.Tensor) -> torch.Tensor:
     ``adv`` from the same start, on the update's own draws: FPO's log-ratio (> 0: likelier)."""
     from types import SimpleNamespace
 
+    from test_chain_faithful import toy_rollout
+
     from diffpolicy.config import FPOConfig
     from diffpolicy.distributed import DistInfo
     from diffpolicy.models.critic import Critic
-    from diffpolicy.rl.buffer import RolloutBuffer, ppo_specs
     from diffpolicy.rl.fpo import FPOLearner, denoising_losses
 
     policy = _tiny_policy()
     policy.set_freeze_encoders(True)
     T, N = adv.shape
-    specs = {"state": ((5,), torch.float32), **ppo_specs({}, ft_steps=3, horizon=8, action_dim=2)}
-    buffer = RolloutBuffer(T, N, {**specs, "valid": ((), torch.float32), "cond": ((16,), torch.float32)})
-    for t in range(T):
-        o = {"state": torch.randn(N, 1, 5, generator=torch.Generator().manual_seed(10 + t))}
-        out = policy.sample(o, return_chain=True, generator=torch.Generator().manual_seed(t))
-        buffer.add(state=o["state"][:, 0], chains=out.chain, logprobs=out.log_probs, values=0.0, rewards=0.0,
-                   bootstraps=0.0, dones=0.0, valid=1.0, cond=out.cond)  # fmt: skip
+    buffer = toy_rollout(policy, T, N)
     learner = object.__new__(FPOLearner)
     algo = FPOConfig(update_epochs=1, minibatch_size=T * N, mc_draws=8, lr=1e-4, clip_eps=0.2, target_kl=0.0)
     learner.cfg, learner.rt, learner.info = SimpleNamespace(algo=algo), _runtime(), DistInfo()
