@@ -41,11 +41,11 @@ def test_train_composes_typed(compose) -> None:
 @pytest.mark.parametrize("name", ["train", "pretrain"])
 @pytest.mark.parametrize("env", ["hopper", "walker2d"])
 def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, env: str, compose) -> None:
-    """env=hopper (and walker2d) chooses DPPO's Gym actor and learner and BC's budget; mujoco_pick keeps
-    train.yaml's."""
+    """env=hopper (and walker2d) chooses DPPO's Gym actor, its learner with the one measured departure
+    (dppo_gym_tuned) and BC's budget; mujoco_pick keeps train.yaml's."""
     cfg = compose(name, [f"env={env}"])
     assert (cfg.policy.name, cfg.algo.name, cfg.bc.n_demos, cfg.bc.epochs, cfg.eval_episodes) == (
-        "mlp", "dppo_gym", 100, 100, 50,
+        "mlp", "dppo_gym_tuned", 100, 100, 50,
     )  # fmt: skip
     assert cfg.env.expert["noise_scale"] == 0.1 and cfg.env.max_episode_steps == 1000
     cfg = compose(name, [f"env={env}", "algo=residual", "policy=unet_small", "bc.n_demos=3"])
@@ -54,6 +54,15 @@ def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, en
     assert (cfg.env.name, cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == (
         "mujoco_pick", "unet_small", "filtered_bc", 40,
     )  # fmt: skip
+
+
+def test_env_hopper_departs_from_dppo_gym_in_the_actor_lr_alone(compose) -> None:
+    """env=hopper's learner is DPPO's Gym entry with one stated departure (lr 1e-3, chosen on validation);
+    algo=dppo_gym keeps DPPO's 1e-4, and no other field differs."""
+    tuned = dataclasses.asdict(compose("train", ["env=hopper"]).algo)
+    faithful = dataclasses.asdict(compose("train", ["env=hopper", "algo=dppo_gym"]).algo)
+    differ = {k: (faithful[k], tuned[k]) for k in faithful if faithful[k] != tuned[k]}
+    assert differ == {"name": ("dppo_gym", "dppo_gym_tuned"), "lr": (1e-4, 1e-3)}
 
 
 def test_dppo_gym_takes_dppos_update_steps_per_iteration(compose) -> None:
@@ -142,7 +151,9 @@ def test_bare_learner_config_becomes_the_chain_learner() -> None:
         C.TrainConfig(algo={"learner": "nope"})
 
 
-@pytest.mark.parametrize("entry", ["ppo", "grpo", "dppo", "dppo_gym", "fpo", "residual", "filtered_bc"])
+@pytest.mark.parametrize(
+    "entry", ["ppo", "grpo", "dppo", "dppo_gym", "dppo_gym_tuned", "fpo", "residual", "filtered_bc"]
+)
 def test_one_name_chooses_the_learner(entry: str, compose) -> None:
     """``algo=<entry>`` is the one choice: ``algo.name`` records it and the schema says which learner runs;
     there is no field naming the learner a second time, and the chain-sampling settings exist only on the
