@@ -101,8 +101,8 @@ def test_sampler_benchmark_tiny(keep_threads) -> None:
     from diffpolicy.benchmarks.sampler import run
 
     out = run(repeats=1, threads=1, backend="fast", ks=[2], sizes=["small"], horizon=16, warmup=0)
-    assert _finite_positive(out["small_k2_ms"], out["eager_reference_ms"]["small_k2"])
-    assert _finite_positive(out["film_eager_ms"]["small_k2"], out["speedup_vs_eager"]["small_k2"])
+    assert _finite_positive(out["small_t16_k2_ms"], out["eager_reference_ms"]["small_t16_k2"])
+    assert _finite_positive(out["film_eager_ms"]["small_t16_k2"], out["speedup_vs_eager"]["small_t16_k2"])
     assert out["max_abs_diff_vs_eager"] < 1e-4  # every timed path samples the eager loop's chunk
     assert out["small_dims"] == [64, 128, 256]
 
@@ -191,3 +191,109 @@ def test_scaling_benchmark_tiny() -> None:
     assert out["budget"] == {"round_episodes": 2, "bc_steps": 1} and out["n_demos"] == 2
     assert _finite_positive(out["sps_1"], out["sps_2"], out["sps_1_2threads"])
     assert out["speedup_2_vs_1"] == pytest.approx(out["sps_2"] / out["sps_1"])
+
+
+# ------------------------------------------------------------------------------------------------ the peer
+FAKE_UNET = '''
+import torch
+from torch import nn
+
+
+class ConditionalUnet1D(nn.Module):
+    """Stands in for the peer's U-Net in tests: its constructor and forward signature, a tiny network."""
+
+    def __init__(self, input_dim, global_cond_dim, diffusion_step_embed_dim, down_dims, kernel_size,
+                 n_groups, cond_predict_scale):
+        super().__init__()
+        self.net = nn.Linear(input_dim + global_cond_dim + 1, input_dim)
+
+    def forward(self, sample, timestep, global_cond=None):
+        t = torch.as_tensor(timestep, dtype=sample.dtype).expand(sample.shape[0]).reshape(-1, 1, 1)
+        cond = global_cond[:, None, :].expand(-1, sample.shape[1], -1)
+        return self.net(torch.cat([sample, cond, t.expand(-1, sample.shape[1], 1) / 100], dim=-1))
+'''
+FAKE_EMA = """
+import torch
+
+
+class EMAModel:
+    def __init__(self, model, power=2 / 3):
+        self.averaged_model, self.steps = model, 0
+
+    @torch.no_grad()
+    def step(self, new_model):
+        for a, p in zip(self.averaged_model.parameters(), new_model.parameters()):
+            a.mul_(0.9).add_(p, alpha=0.1)
+        self.steps += 1
+"""
+
+
+@pytest.fixture
+def fake_peer(tmp_path: Path) -> Path:
+    """A directory laid out as a diffusion_policy checkout, with stand-ins for the two modules the bench reads."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("einops")
+    pkg = tmp_path / "diffusion_policy" / "model" / "diffusion"
+    pkg.mkdir(parents=True)
+    (pkg / "conditional_unet1d.py").write_text(FAKE_UNET)
+    (pkg / "ema_model.py").write_text(FAKE_EMA)
+    yield tmp_path
+    import sys
+
+    for name in [n for n in sys.modules if n == "diffusion_policy" or n.startswith("diffusion_policy.")]:
+        del sys.modules[name]
+
+
+def test_peer_is_skipped_with_one_line_when_absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffpolicy.benchmarks import peer
+
+    monkeypatch.delenv(peer.ENV_VAR, raising=False)
+    assert "peer=<dir>" in peer.missing(None)
+    assert "not a diffusion_policy checkout" in peer.missing(tmp_path)
+    with pytest.raises(RuntimeError, match="not a diffusion_policy checkout"):
+        peer.load(tmp_path)
+
+
+def test_sampler_and_bc_step_time_the_peer_in_the_same_run(fake_peer: Path, keep_threads) -> None:
+    """With peer=<dir>, both benchmarks time the peer beside this project's path and report their ratio."""
+    from diffpolicy.benchmarks.bc_step import run as bc_step
+    from diffpolicy.benchmarks.sampler import run as sampler
+
+    out = sampler(repeats=1, threads=1, backend="fast", ks=[2], sizes=["small"], horizons=[16], warmup=0,
+                  eager=False, peer=str(fake_peer))  # fmt: skip
+    assert _finite_positive(out["peer_ms"]["small_t16_k2"], out["small_t16_k2_ms"])
+    assert out["speedup_vs_peer"]["small_t16_k2"] == pytest.approx(
+        out["peer_ms"]["small_t16_k2"] / out["small_t16_k2_ms"], rel=1e-2
+    )
+    assert out["min_speedup_vs_peer"] == out["speedup_vs_peer"]["small_t16_k2"]
+    out = bc_step(repeats=1, warmup=0, batches=[8], reference=8, peer=str(fake_peer))
+    row = out["batches"]["8"]
+    assert _finite_positive(row["peer_s_per_step"], row["speedup_vs_peer"])
+    # both times are rounded to 0.1 ms in the report; the ratio is of the unrounded medians
+    assert row["speedup_vs_peer"] == pytest.approx(row["peer_s_per_step"] / row["s_per_step"], rel=0.1)
+
+
+def test_peer_sampler_runs_the_peers_ddim_chain(fake_peer: Path) -> None:
+    """The peer's chain is diffusers' DDIM (eta 0) over K steps: it matches a loop written from the DDIM update
+    on the same noise-prediction network, so the bench times the peer's real sampler, not a shortcut."""
+    from diffpolicy.benchmarks import peer as peer_lib
+
+    peer = peer_lib.load(fake_peer)
+    torch.manual_seed(0)
+    model = peer_lib.unet(peer, 3, 4, [8])
+    noise, cond = torch.randn(2, 6, 3), torch.randn(2, 4)
+    with torch.inference_mode():
+        got = peer_lib.sampler(peer, model, 5)(noise, cond)
+
+        def alpha_bar(s: float) -> float:  # the squared-cosine schedule (Nichol & Dhariwal), offset 0.008
+            return math.cos((s + 0.008) / 1.008 * math.pi / 2) ** 2
+
+        betas = [min(1 - alpha_bar((t + 1) / 100) / alpha_bar(t / 100), 0.999) for t in range(100)]
+        abar = torch.cumprod(1 - torch.tensor(betas, dtype=torch.float64), 0)
+        x = noise.double()
+        for t in range(80, -1, -20):
+            eps = model(x.float(), torch.tensor(t), global_cond=cond).double()
+            x0 = ((x - (1 - abar[t]).sqrt() * eps) / abar[t].sqrt()).clamp(-1, 1)
+            prev = abar[t - 20] if t >= 20 else torch.tensor(1.0, dtype=torch.float64)
+            x = prev.sqrt() * x0 + (1 - prev).sqrt() * eps
+    torch.testing.assert_close(got.double(), x, atol=1e-4, rtol=1e-4)

@@ -9,6 +9,12 @@ its wall time at batch 128), so its cost per batch size says what ``algo.batch_s
 Reported per batch: median seconds per step over ``repeats`` rounds (each round times every batch once, in
 turn, after ``warmup`` untimed rounds), seconds per window, and ``ratio_to_reference``: the step's seconds
 over those of ``reference`` (128, ``bc.batch_size`` of the state task) measured in the same rounds.
+
+With ``peer=<dir>`` (a Stanford diffusion_policy checkout, :mod:`diffpolicy.benchmarks.peer`), each round also
+times the peer's training step at the same U-Net dims, chunk and batch, as its low-dim policy trains (the
+normalised observation as global condition: no encoder, where this project's step also runs its state
+encoder; DDPM noise-prediction loss, AdamW, cosine schedule, its EMAModel): per batch ``peer_s_per_step`` and
+``speedup_vs_peer`` (the peer's seconds over ours); ``peer`` says why the row is absent otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import torch
 
 from diffpolicy.bc import BC_WEIGHT_DECAY, ema_update
+from diffpolicy.benchmarks import peer as peer_lib
 from diffpolicy.config import PolicyConfig
 from diffpolicy.policy_io import build_policy
 
@@ -30,13 +37,15 @@ STATE_DIM, ACTION_DIM, HORIZON = 34, 7, 16
 
 def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     """Seconds per BC step at each batch size (kwargs: ``batches`` ([32, 64, 128]), ``reference`` (128),
-    ``warmup`` (2), ``horizon`` (16))."""
+    ``warmup`` (2), ``horizon`` (16), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
     batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
     reference = int(kwargs.pop("reference", 128))
     warmup = int(kwargs.pop("warmup", 2))
     horizon = int(kwargs.pop("horizon", HORIZON))
+    peer_path = kwargs.pop("peer", None)
     if kwargs:
-        raise ValueError(f"bc_step takes batches, reference, warmup and horizon; got {sorted(kwargs)}")
+        raise ValueError(f"bc_step takes batches, reference, warmup, horizon and peer; got {sorted(kwargs)}")
+    skipped = peer_lib.missing(peer_path)
     if reference not in batches:
         batches.append(reference)
     torch.manual_seed(0)
@@ -70,12 +79,29 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         ema_update(ema, policy, 0.995)
         return time.perf_counter() - start
 
+    peer_step = None
+    if not skipped:
+        peer = peer_lib.load(peer_path)
+        torch.manual_seed(0)
+        peer_unet = peer_lib.unet(peer, ACTION_DIM, STATE_DIM, cfg.down_dims)
+        peer_update = peer_lib.train_step(peer, peer_unet, generator=g)
+
+        def peer_step(b: int) -> float:
+            obs, actions = data[b]
+            start = time.perf_counter()
+            peer_update(obs["state"], actions)
+            return time.perf_counter() - start
+
     times: dict[int, list[float]] = {b: [] for b in batches}
+    peer_times: dict[int, list[float]] = {b: [] for b in batches}
     for r in range(warmup + repeats):
         for b in batches:
             t = step(b)
+            t_peer = peer_step(b) if peer_step else None
             if r >= warmup:
                 times[b].append(t)
+                if t_peer is not None:
+                    peer_times[b].append(t_peer)
     ref = statistics.median(times[reference])
     rows = {
         str(b): {
@@ -85,4 +111,16 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         }
         for b in sorted(batches)
     }
-    return {"policy": cfg.name, "horizon": horizon, "reference_batch": reference, "batches": rows}
+    out = {"policy": cfg.name, "horizon": horizon, "reference_batch": reference, "batches": rows}
+    if peer_step is None:
+        out["peer"] = skipped
+        return out
+    out["peer"] = (
+        "Stanford diffusion_policy ConditionalUnet1D low-dim training step (diffusers DDPM, EMAModel)"
+    )
+    for b in batches:
+        peer_s = statistics.median(peer_times[b])
+        rows[str(b)]["peer_s_per_step"] = round(peer_s, 4)
+        rows[str(b)]["speedup_vs_peer"] = round(peer_s / statistics.median(times[b]), 3)
+    out["min_speedup_vs_peer"] = min(r["speedup_vs_peer"] for r in rows.values())
+    return out
