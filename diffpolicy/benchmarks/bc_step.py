@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from diffpolicy.bc import BC_WEIGHT_DECAY, ema_update
+from diffpolicy.bc import adamw, ema_update
 from diffpolicy.benchmarks import peer as peer_lib
 from diffpolicy.config import PolicyConfig
 from diffpolicy.policy_io import build_policy
@@ -37,14 +37,17 @@ STATE_DIM, ACTION_DIM, HORIZON = 34, 7, 16
 
 def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     """Seconds per BC step at each batch size (kwargs: ``batches`` ([32, 64, 128]), ``reference`` (128),
-    ``warmup`` (2), ``horizon`` (16), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
+    ``warmup`` (2), ``horizon`` (16), ``fused`` (False: AdamW's fused kernel, a lever BC does not take), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
     batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
     reference = int(kwargs.pop("reference", 128))
     warmup = int(kwargs.pop("warmup", 2))
     horizon = int(kwargs.pop("horizon", HORIZON))
     peer_path = kwargs.pop("peer", None)
+    fused = bool(kwargs.pop("fused", False))
     if kwargs:
-        raise ValueError(f"bc_step takes batches, reference, warmup, horizon and peer; got {sorted(kwargs)}")
+        raise ValueError(
+            f"bc_step takes batches, reference, warmup, horizon, fused and peer; got {sorted(kwargs)}"
+        )
     skipped = peer_lib.missing(peer_path)
     if reference not in batches:
         batches.append(reference)
@@ -59,7 +62,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     policy.train()
     ema = copy.deepcopy(policy).eval()
     params = [p for p in policy.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=3e-4, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY)
+    optim = adamw(params, 3e-4, fused=fused)
     data = {
         b: (
             {"state": torch.randn(b, 1, STATE_DIM, generator=g)},
@@ -112,6 +115,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         for b in sorted(batches)
     }
     out = {"policy": cfg.name, "horizon": horizon, "reference_batch": reference, "batches": rows}
+    out["adamw_fused"] = bool(optim.defaults.get("fused"))
     if peer_step is None:
         out["peer"] = skipped
         return out

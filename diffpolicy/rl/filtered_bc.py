@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.bc import BC_WEIGHT_DECAY, ema_update
+from diffpolicy.bc import adamw, ema_update
 from diffpolicy.config import FilteredBCConfig, TrainConfig
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.device import Runtime
@@ -148,9 +148,7 @@ class FilteredBCLearner(PolicyLearner):
         self.kept = WindowStore(policy.horizon)
         self._added = 0  # windows the last rollout kept
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optim = torch.optim.AdamW(
-            self.params, lr=cfg.algo.lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY
-        )
+        self.optim = adamw(self.params, cfg.algo.lr)
         self.venv = make_envs(
             cfg.env, policy.n_action_steps, cfg.env.num_envs, seed_for_rank(cfg.seed, info.rank)
         )
