@@ -76,9 +76,8 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint`` on ``cfg.n_episodes`` held-out episodes; returns the summary."""
     t0 = time.perf_counter()
     runtime = Runtime.from_config(cfg.device)
-    policy, env_cfg, ckpt = load_policy(
-        cfg.checkpoint, runtime.device, env_overrides={"num_envs": cfg.num_envs}
-    )
+    overrides = {} if cfg.num_envs is None else {"num_envs": cfg.num_envs}
+    policy, env_cfg, ckpt = load_policy(cfg.checkpoint, runtime.device, env_overrides=overrides)
     if cfg.env_kwargs:
         env_cfg = dataclasses.replace(env_cfg, kwargs={**env_cfg.kwargs, **cfg.env_kwargs})
     deterministic, protocol, source = sampling_protocol(ckpt, cfg.deterministic, cfg.protocol)
@@ -90,7 +89,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         n_action_steps=policy.n_action_steps,
         n_episodes=cfg.n_episodes,
         seed=cfg.eval_seed,
-        num_envs=min(cfg.num_envs, cfg.n_episodes),
+        num_envs=min(env_cfg.num_envs, cfg.n_episodes),
         device=runtime.device,
         deterministic=deterministic,
         autocast=runtime.autocast,
@@ -106,6 +105,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "step": ckpt.step,
         "split": cfg.split,  # test: the seeds of train's reported figure; val: the seeds choices are made on
         "first_seed": cfg.eval_seed,
+        "num_envs": min(env_cfg.num_envs, cfg.n_episodes),  # the waves: the order sampled noise is drawn in
         # noise_free | exploration, and whence: the checkpoint's own (what train reported), override, default
         "protocol": protocol,
         "protocol_from": source,
@@ -118,7 +118,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         explore = cfg.explore_std > 0
         summary["reachability"] = evaluation.reachability(
             policy, env_cfg, failed, tries=cfg.reachability_tries, n_action_steps=policy.n_action_steps,
-            num_envs=min(cfg.num_envs, max(1, len(failed) * cfg.reachability_tries)), device=runtime.device,
+            num_envs=min(env_cfg.num_envs, max(1, len(failed) * cfg.reachability_tries)), device=runtime.device,
             deterministic=explore, seed=cfg.eval_seed + 1,
             exploration=evaluation.Exploration(cfg.explore_std, cfg.explore_hold) if explore else None,
             autocast=runtime.autocast, reasons=reasons,

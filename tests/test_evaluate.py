@@ -1,5 +1,6 @@
 """evaluate: held-out success rate of a checkpoint, video and curves; one sampling path for eval and training."""
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from diffpolicy import evaluation
-from diffpolicy.config import EncoderConfig, EnvConfig, EvaluateConfig, PolicyConfig
+from diffpolicy.config import DeviceConfig, EncoderConfig, EnvConfig, EvaluateConfig, PolicyConfig
 from diffpolicy.logger import Logger
 from diffpolicy.policies.base import act
 from diffpolicy.policy_io import build_policy, save_policy
@@ -191,6 +192,30 @@ def test_evaluate_says_what_train_said(tmp_path, monkeypatch, act_calls):
     assert (summary["protocol"], summary["protocol_from"]) == ("dppo", "override")
     assert calls and not any(calls)  # sampled, with the natural stds: none at the last step, floor 1e-3
     assert stds and all(float(s[-1]) == 0.0 and float(s[:-1].min()) >= 1e-3 for s in stds)
+
+
+def test_evaluate_runs_in_the_checkpoints_waves_unless_told(tmp_path):
+    """Without ``num_envs``, evaluate steps as many environments at once as the checkpoint's run did
+    (``env.num_envs``), so the sampled chain draws its noise in train's order and the figure is train's own
+    held-out evaluation to the digit; ``num_envs=`` still overrides."""
+    from diffpolicy import evaluate
+    from diffpolicy.config import TrainConfig
+    from diffpolicy.device import Runtime
+
+    policy = _small_policy()
+    env = dataclasses.replace(REACH, num_envs=3)
+    root = tmp_path / "checkpoints"
+    save_policy(root, 5, policy, env_cfg=env, policy_cfg=SMALL, extra={"protocol": "exploration"})
+    cfg = EvaluateConfig(checkpoint=str(root), n_episodes=6, video_episodes=0, device=DeviceConfig(type="cpu"))
+    own = evaluate.main(cfg, tmp_path / "a")
+    assert own["num_envs"] == 3
+    train_cfg = TrainConfig(env=env, eval_episodes=6, device=DeviceConfig(type="cpu"))
+    runtime = Runtime.from_config(train_cfg.device)
+    runtime.manual_seed(cfg.eval_seed)
+    trained = evaluation.held_out(policy.eval(), train_cfg, runtime, protocol="exploration")
+    assert own["mean_return"] == pytest.approx(trained.mean_return, abs=1e-9)
+    other = evaluate.main(dataclasses.replace(cfg, num_envs=1), tmp_path / "b")
+    assert other["num_envs"] == 1 and other["mean_return"] != own["mean_return"]
 
 
 def test_video_is_an_mp4_with_the_video_extra(tmp_path):

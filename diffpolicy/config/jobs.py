@@ -230,8 +230,10 @@ class EvaluateConfig:
     """Checkpoint directory to evaluate (required)."""
     n_episodes: int = 100
     """Episodes evaluated (seeds ``eval_seed + i``)."""
-    num_envs: int = 4
-    """Parallel environments."""
+    num_envs: int | None = None
+    """Parallel environments; null: the checkpoint's ``env.num_envs``, the waves ``train`` evaluated in, so that
+    a sampled (and the noise-free chain's x_K) draw the same noise in the same order and the figure is train's
+    to the digit."""
     split: str = "test"
     """Which seeds: test (:data:`TEST_SEED` + i, the reported figure, as ``train``'s test evaluation) | val
     (:data:`VAL_SEED` + i, the seeds choices are made on: the reachability measurement needs them)."""
@@ -277,7 +279,8 @@ class EvaluateConfig:
         _positive("explore_std", self.explore_std, allow_zero=True)
         _choice("explore_hold", self.explore_hold, ("step", "chunk"))
         _positive("n_episodes", self.n_episodes)
-        _positive("num_envs", self.num_envs)
+        if self.num_envs is not None:
+            _positive("num_envs", self.num_envs)
         _positive("video_episodes", self.video_episodes, allow_zero=True)
 
 
