@@ -206,7 +206,9 @@ def test_evaluate_runs_in_the_checkpoints_waves_unless_told(tmp_path):
     env = dataclasses.replace(REACH, num_envs=3)
     root = tmp_path / "checkpoints"
     save_policy(root, 5, policy, env_cfg=env, policy_cfg=SMALL, extra={"protocol": "exploration"})
-    cfg = EvaluateConfig(checkpoint=str(root), n_episodes=6, video_episodes=0, device=DeviceConfig(type="cpu"))
+    cfg = EvaluateConfig(
+        checkpoint=str(root), n_episodes=6, video_episodes=0, device=DeviceConfig(type="cpu")
+    )
     own = evaluate.main(cfg, tmp_path / "a")
     assert own["num_envs"] == 3
     train_cfg = TrainConfig(env=env, eval_episodes=6, device=DeviceConfig(type="cpu"))
