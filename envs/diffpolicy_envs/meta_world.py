@@ -20,7 +20,8 @@ which carries the object poses (privileged: the state-only row of a table, not t
 (:func:`diffpolicy_envs.mujoco_pick.depth_to_points`), crops it to the workspace box
 :data:`POINT_BOX_LOW` .. :data:`POINT_BOX_HIGH` (which removes the table top, the floor and the walls),
 voxelises it (``point_voxel``, default 1 cm) and draws exactly N points by farthest-point sampling from a
-start the env's seeded generator picks (``point_sampling``), padding by repetition when fewer remain. As DP3 does, ``corner2`` is moved to (0.6, 0.295, 0.8) so the table fills the
+start the env's seeded generator picks (``point_sampling``; :func:`farthest_points`, run by its C twin in
+:mod:`diffpolicy_envs.native` where a C compiler is found), padding by repetition when fewer remain. As DP3 does, ``corner2`` is moved to (0.6, 0.295, 0.8) so the table fills the
 view (``camera_pos``; null keeps the model's pose). The camera is mounted upside down in Meta-World's model:
 ``rgb`` is rotated by 180 degrees so the table is at the bottom of the image (the points do not depend on it).
 
@@ -59,6 +60,7 @@ import mujoco
 import numpy as np
 from gymnasium import spaces
 
+from diffpolicy_envs import native
 from diffpolicy_envs.mujoco_pick import (
     CameraSchedule,
     camera_pose,
@@ -396,7 +398,9 @@ class MetaWorldEnv(CameraSchedule, gym.Env):
     def _choose_points(self, voxels: np.ndarray, n: int) -> np.ndarray:
         """Indices of the ``n`` of the (V, 6) ``voxels`` kept: farthest-point or random sampling."""
         if self.point_sampling == "fps":
-            return farthest_points(voxels[:, :3], n, int(self.np_random.integers(len(voxels))))
+            start = int(self.np_random.integers(len(voxels)))
+            chosen = native.farthest_points(voxels[:, :3], n, start)  # the C loop: the same indices
+            return chosen if chosen is not None else farthest_points(voxels[:, :3], n, start)
         return self.np_random.choice(len(voxels), n, replace=False)
 
     def _outcome(self, success: bool) -> str:
