@@ -329,7 +329,7 @@ def test_dppo_entry_composes_with_its_policy_settings() -> None:
     assert cfg.algo.n_steps * cfg.env.num_envs == 20 * cfg.algo.minibatch_size
     pre = compose("pretrain", ["algo=dppo"]).algo  # pretrain judges BC with the learner's sampling too
     assert (pre.ft_steps, pre.min_std) == (cfg.algo.ft_steps, cfg.algo.min_std)
-    gym = compose("train", ["env=hopper"]).algo
+    gym = compose("train", ["env=hopper", "algo=dppo_gym"]).algo
     assert (gym.name, gym.reward_scale, gym.max_grad_norm) == ("dppo_gym", "running", 0.0)
     assert (cfg.algo.ft_steps, cfg.policy.ddim_steps, cfg.algo.min_std) == (5, 10, 0.1)
     # the policy group can still be swapped and the command line still wins
