@@ -83,13 +83,14 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     deterministic, protocol, source = sampling_protocol(ckpt, cfg.deterministic, cfg.protocol)
     apply_protocol(policy, protocol)
     runtime.manual_seed(cfg.eval_seed)
+    num_envs = min(env_cfg.num_envs, cfg.n_episodes)  # the waves: the order sampled noise is drawn in
     result = evaluation.evaluate(
         policy,
         env_cfg,
         n_action_steps=policy.n_action_steps,
         n_episodes=cfg.n_episodes,
         seed=cfg.eval_seed,
-        num_envs=min(env_cfg.num_envs, cfg.n_episodes),
+        num_envs=num_envs,
         device=runtime.device,
         deterministic=deterministic,
         autocast=runtime.autocast,
@@ -105,7 +106,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "step": ckpt.step,
         "split": cfg.split,  # test: the seeds of train's reported figure; val: the seeds choices are made on
         "first_seed": cfg.eval_seed,
-        "num_envs": min(env_cfg.num_envs, cfg.n_episodes),  # the waves: the order sampled noise is drawn in
+        "num_envs": num_envs,
         # noise_free | exploration, and whence: the checkpoint's own (what train reported), override, default
         "protocol": protocol,
         "protocol_from": source,

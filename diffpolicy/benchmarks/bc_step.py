@@ -37,7 +37,8 @@ STATE_DIM, ACTION_DIM, HORIZON = 34, 7, 16
 
 def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     """Seconds per BC step at each batch size (kwargs: ``batches`` ([32, 64, 128]), ``reference`` (128),
-    ``warmup`` (2), ``horizon`` (16), ``fused`` (False: AdamW's fused kernel, a lever BC does not take), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
+    ``warmup`` (2), ``horizon`` (16), ``fused`` (False: AdamW's fused kernel, a lever BC does not take),
+    ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
     batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
     reference = int(kwargs.pop("reference", 128))
     warmup = int(kwargs.pop("warmup", 2))

@@ -36,7 +36,8 @@ _why: dict[str, str] = {}
 
 
 def cache_dir() -> Path:
-    """Where the built libraries live (created on demand)."""
+    """Where the built libraries live (created on demand): the root ``diffpolicy.ops`` builds its kernels under,
+    resolved here again because the environments never import ``diffpolicy``."""
     if os.environ.get("DIFFPOLICY_CACHE"):
         root = Path(os.environ["DIFFPOLICY_CACHE"]).expanduser()
     elif os.environ.get("XDG_CACHE_HOME"):
