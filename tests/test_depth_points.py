@@ -98,8 +98,24 @@ def test_voxel_downsample_against_a_loop_order_invariant_and_bounded() -> None:
     for perm_seed in range(3):  # the same voxels, in the same order, whatever the order of the rows
         perm = np.random.default_rng(perm_seed).permutation(len(pts))
         np.testing.assert_allclose(voxel_downsample(pts[perm], 0.02), out, atol=1e-12)
+    cells = [tuple(int(np.floor(x / 0.02)) for x in p[:3]) for p in out]
+    assert cells == sorted(cells)  # ordered by voxel index: x, then y, then z
     assert len(voxel_downsample(pts, 10.0)) <= 8  # a few big voxels around the origin
     assert voxel_downsample(pts[:0], 0.02).shape == (0, 6)
+
+
+def test_voxel_downsample_of_a_cloud_too_wide_for_one_key() -> None:
+    """Cells spanning more than an int64 key holds take the row-sort path: the same voxels, the same order."""
+    rng = np.random.default_rng(1)
+    pts = np.concatenate([rng.uniform(-1e6, 1e6, (200, 3)), rng.uniform(0, 1, (200, 3))], axis=1)
+    pts[100:] = pts[:100]  # every voxel holds two rows
+    out = voxel_downsample(pts, 1e-4)
+    ref = _voxel_reference(pts, 1e-4)
+    assert len(out) == len(ref) == 100
+    cells = [tuple(int(np.floor(x / 1e-4)) for x in p[:3]) for p in out]
+    assert cells == sorted(cells)
+    for cell, p in zip(cells, out):
+        np.testing.assert_allclose(p, ref[cell], rtol=1e-12)
 
 
 def test_env_points_are_bounded_and_one_per_voxel() -> None:

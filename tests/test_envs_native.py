@@ -27,7 +27,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch):
     return native
 
 
-@pytest.mark.parametrize("m, n", [(300, 40), (1400, 512), (512, 512)])
+@pytest.mark.parametrize("m, n", [(300, 40), (1400, 512), (1401, 512), (513, 513), (1, 1)])
 def test_c_farthest_points_gives_the_numpy_indices(m: int, n: int) -> None:
     _built()
     rng = np.random.default_rng(m)
@@ -45,6 +45,9 @@ def test_c_farthest_points_breaks_ties_as_numpy() -> None:
     assert len(set(got.tolist())) == 100
     with pytest.raises(ValueError, match="0 < n <= M"):
         native.farthest_points(grid, len(grid) + 1, 0)
+    grid[7, 1] = np.nan
+    with pytest.raises(ValueError, match="finite"):
+        native.farthest_points(grid, 10, 0)
 
 
 def test_without_a_compiler_or_when_switched_off_numpy_runs(fresh, monkeypatch: pytest.MonkeyPatch, tmp_path):

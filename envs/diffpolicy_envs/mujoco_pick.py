@@ -291,9 +291,19 @@ def voxel_downsample(points: np.ndarray, voxel: float) -> np.ndarray:
     if len(points) == 0:
         return np.zeros((0, points.shape[1]))
     cells = np.floor(points[:, :3] / voxel).astype(np.int64)  # (M, 3)
-    keys, inverse, counts = np.unique(cells, axis=0, return_inverse=True, return_counts=True)
-    sums = np.zeros((len(keys), points.shape[1]))
-    np.add.at(sums, inverse.reshape(-1), points)
+    cells -= cells.min(axis=0)
+    span = cells.max(axis=0) + 1  # (3,) cells along x, y, z
+    if float(span[0]) * float(span[1]) * float(span[2]) < 2.0**62:
+        # One int64 per cell, ordered as the (x, y, z) rows are: a 1-D sort instead of a sort of rows.
+        key = (cells[:, 0] * span[1] + cells[:, 1]) * span[2] + cells[:, 2]  # (M,)
+        _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+    else:  # a cloud too wide for one int64 key
+        _, inverse, counts = np.unique(cells, axis=0, return_inverse=True, return_counts=True)
+    inverse = inverse.reshape(-1)
+    # bincount adds each column's rows in input order, as np.add.at does: the same sums to the bit.
+    sums = np.stack(
+        [np.bincount(inverse, weights=points[:, c], minlength=len(counts)) for c in range(points.shape[1])], 1
+    )
     return sums / counts[:, None]
 
 

@@ -111,6 +111,8 @@ def farthest_points(xyz: np.ndarray, n: int, start: int) -> np.ndarray | None:
             f"farthest_points needs 0 < n <= M and 0 <= start < M; got n={n}, M={m}, start={start}"
         )
     x, y, z = np.ascontiguousarray(np.asarray(xyz, dtype=np.float64).T)
+    if not np.isfinite(x).all() or not np.isfinite(y).all() or not np.isfinite(z).all():
+        raise ValueError("farthest_points needs finite coordinates")
     out = np.empty(n, np.int64)
     fn(x, y, z, m, n, start, np.empty(m, np.float64), out)
     return out
