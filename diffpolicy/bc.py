@@ -203,13 +203,25 @@ def target_head(
     data: Any, policy_cfg: PolicyConfig, bc_cfg: BCConfig, device: torch.device
 ) -> TargetHead | None:
     """BC's auxiliary head for the demonstrations' ``target_pos`` label (None when ``bc.target_aux_weight`` is
-    0); a dataset without the label, or one that is not xyz triples, fails here rather than mid-run."""
+    0, or when the policy predicts the label itself: ``policy.encoder.predict_positions``); a dataset without
+    the label, or one that is not xyz triples, fails here rather than mid-run."""
+    enc = policy_cfg.encoder
+    if enc.predict_positions and bc_cfg.target_aux_weight <= 0:
+        raise ValueError(
+            "policy.encoder.predict_positions needs bc.target_aux_weight > 0: it trains the position head"
+        )
     if bc_cfg.target_aux_weight <= 0:
         return None
     label = data.target(torch.zeros(1, dtype=torch.long))
     if label.shape[-1] % 3:
         raise ValueError(f"the demonstrations' target_pos has {label.shape[-1]} values, not 3 per point")
-    enc = policy_cfg.encoder
+    if enc.predict_positions:
+        if label.shape[-1] != 3 * enc.predict_positions:
+            raise ValueError(
+                f"policy.encoder.predict_positions={enc.predict_positions} but the demonstrations' target_pos "
+                f"holds {label.shape[-1] // 3} positions (Meta-World: env.kwargs.label=both gives 2)"
+            )
+        return None
     return TargetHead(
         policy_cfg.cond_dim, enc.workspace_low, enc.workspace_high, points=label.shape[-1] // 3
     ).to(device)
@@ -237,9 +249,19 @@ def training_batch(
 
 def bc_losses(
     policy: Any, aux: TargetHead | None, obs: dict[str, Any], actions: torch.Tensor,
-    target: torch.Tensor | None, bc_cfg: BCConfig,
+    target: torch.Tensor | None, bc_cfg: BCConfig, generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """(BC loss, auxiliary loss, auxiliary error in m) of one batch; the last two None without ``aux``."""
+    """(BC loss, auxiliary loss, auxiliary error in m) of one batch; the last two None without ``aux``.
+
+    Predict-then-act (``policy.encoder.predict_positions``): the BC loss's condition reads the labelled
+    positions ``target`` (B, 3 k) m plus Gaussian noise of std ``policy.encoder.position_noise`` (drawn from
+    ``generator``), and the auxiliary loss is the policy's own position prediction against the label."""
+    if policy.obs_encoder.position_points:
+        std = policy.cfg.encoder.position_noise
+        noisy = target + torch.randn(target.shape, generator=generator).to(target.device) * std
+        loss = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, positions=noisy)
+        aux_loss, aux_error = policy.obs_encoder.position_loss(obs, target, augment=policy.training)
+        return loss, aux_loss, aux_error
     if aux is None:
         return policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws), None, None
     loss, cond = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, return_cond=True)
@@ -381,6 +403,7 @@ def behaviour_cloning(
     if bc_cfg.translate > 0 and "points" not in data.obs_spec:
         raise ValueError("bc.translate shifts point clouds, and these demonstrations observe none")
     aux = target_head(data, policy_cfg, bc_cfg, device)
+    labelled = aux is not None or bool(policy_cfg.encoder.predict_positions)  # batches carry target_pos
     batch_size, per_epoch, total, epochs = bc_budget(len(data), bc_cfg)
     params, optim, sched = bc_optimiser(policy, aux, bc_cfg, total)
     scaler = runtime.grad_scaler()
@@ -404,10 +427,10 @@ def behaviour_cloning(
         for b in range(n_batches):
             next(bar, None)
             idx = order[b * batch_size : (b + 1) * batch_size]
-            obs, actions, target = training_batch(data, idx, device, bc_cfg, gen, with_target=aux is not None)
+            obs, actions, target = training_batch(data, idx, device, bc_cfg, gen, with_target=labelled)
             with runtime.autocast():
-                loss, aux_loss, aux_error = bc_losses(policy, aux, obs, actions, target, bc_cfg)
-                total_loss = loss if aux is None else loss + bc_cfg.target_aux_weight * aux_loss
+                loss, aux_loss, aux_error = bc_losses(policy, aux, obs, actions, target, bc_cfg, gen)
+                total_loss = loss if aux_loss is None else loss + bc_cfg.target_aux_weight * aux_loss
             optimiser_step(total_loss, params, optim, scaler, bc_cfg.max_grad_norm)
             sched.step()
             ema.update(policy)
@@ -416,7 +439,7 @@ def behaviour_cloning(
             if not math.isfinite(value):
                 raise ValueError(f"behaviour-cloning loss is {value} at step {step}; lower bc.lr")
             loss_sum += value
-            window.add(value, *((aux_loss, aux_error) if aux is not None else ()))
+            window.add(value, *((aux_loss, aux_error) if aux_loss is not None else ()))
             if window.n == LOG_EVERY or step == total:
                 window.flush(logger, step, sched.get_last_lr()[0])
         epoch_loss = loss_sum / max(1, n_batches)

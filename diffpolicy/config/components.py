@@ -126,6 +126,16 @@ class EncoderConfig:
     """The instruction FiLM-modulates the RGB encoder's and the point encoder's features (language-conditioned
     perception), so their keypoints can follow the object it names; without it the text only attends to the
     fused tokens."""
+    predict_positions: int = 0
+    """Predict-then-act: with k > 0 the encoder predicts k xyz positions (the demonstrations' ``target_pos``
+    label: Meta-World's ``env.kwargs.label=both`` gives the object's and the goal's, k = 2) from the fused
+    perception, and the denoiser's condition is computed from the proprioception, those k positions and the
+    instruction alone, so the denoiser cannot key its actions on a scene's look. BC trains the prediction
+    on the label (weight ``bc.target_aux_weight``) and the condition on the label plus ``position_noise``;
+    acting uses the prediction. 0: the fused perception is the condition."""
+    position_noise: float = 0.01
+    """Predict-then-act: std (m, per axis) of the Gaussian error added to the labelled positions the
+    condition is trained on, about what perception misses on new scenes (docs/experiments.md, 2026-12-02)."""
 
     def __post_init__(self) -> None:
         _derive_state_defaults(self, "policy.encoder")
@@ -149,6 +159,8 @@ class EncoderConfig:
             )
         _positive("policy.encoder.fusion_layers", self.fusion_layers)
         _positive("policy.encoder.state_hidden", self.state_hidden)
+        _positive("policy.encoder.predict_positions", self.predict_positions, allow_zero=True)
+        _positive("policy.encoder.position_noise", self.position_noise, allow_zero=True)
 
 
 @dataclass

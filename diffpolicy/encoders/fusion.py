@@ -85,6 +85,10 @@ class AttentionBlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x))
 
 
+POSITION_HIDDEN = 256
+"""Hidden width of predict-then-act's position head and of its condition MLP."""
+
+
 class ObservationEncoder(nn.Module):
     """Observation dict -> cond (B, cond_dim).
 
@@ -162,6 +166,22 @@ class ObservationEncoder(nn.Module):
         )
         out_in = self.n_tokens * D + (D if self.use_text else 0)
         self.head = nn.Linear(out_in, cond_dim)
+        self.position_points = cfg.predict_positions
+        """Predict-then-act (``policy.encoder.predict_positions``): positions predicted from the fused
+        perception; the condition then comes from proprioception, them and the instruction (0: off)."""
+        if self.position_points:
+            k = self.position_points
+            self.register_buffer("position_low", torch.tensor(cfg.workspace_low), persistent=False)
+            self.register_buffer("position_high", torch.tensor(cfg.workspace_high), persistent=False)
+            self.position_head = nn.Sequential(
+                nn.Linear(cond_dim, POSITION_HIDDEN), nn.Mish(), nn.Linear(POSITION_HIDDEN, 3 * k)
+            )
+            act_in = n_obs_steps * self.state_dim + 3 * k + (D if self.use_text else 0)
+            self.act_head = nn.Sequential(
+                nn.Linear(act_in, POSITION_HIDDEN), nn.Mish(),
+                nn.Linear(POSITION_HIDDEN, POSITION_HIDDEN), nn.Mish(),
+                nn.Linear(POSITION_HIDDEN, cond_dim),
+            )  # fmt: skip
 
     def _ckpt(self, fn: Any, *args: Any) -> torch.Tensor:
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
@@ -175,30 +195,115 @@ class ObservationEncoder(nn.Module):
         return obs[self.modalities[0]].shape[0] if self.modalities else len(obs["instruction"])
 
     def forward(
+        self,
+        obs: Mapping[str, Any],
+        augment: bool = False,
+        generator: torch.Generator | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Observation dict -> cond (B, cond_dim). Predict-then-act (:attr:`position_points` k > 0): the
+        condition of proprioception, the instruction and ``positions`` (B, 3 k) m when given (BC's labels;
+        perception is then not run), else the positions :meth:`predict_positions` reads off perception."""
+        q = self._text(obs)
+        if not self.position_points:
+            return self._fused(obs, augment, generator, q)
+        if positions is None:
+            box = self.position_head(self._fused(obs, augment, generator, q))  # (B, 3 k) box units
+        else:
+            box = self._to_box(positions)
+        return self._act_condition(obs, box, q)
+
+    def predict_positions(
         self, obs: Mapping[str, Any], augment: bool = False, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        device = self.head.weight.device
+        """Predict-then-act: the k positions perception reads, (B, 3 k) in m."""
+        box = self.position_head(self._fused(obs, augment, generator, self._text(obs)))
+        span = (self.position_high - self.position_low).repeat(self.position_points)
+        return (box.float() + 1) / 2 * span + self.position_low.repeat(self.position_points)
+
+    def position_loss(
+        self,
+        obs: Mapping[str, Any],
+        target: torch.Tensor,
+        augment: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predict-then-act: the prediction against the labelled positions ``target`` (B, 3 k) m -> (mean
+        squared error in workspace-box units [-1, 1] (differentiable), mean distance per position in m
+        (detached))."""
+        box = self.position_head(self._fused(obs, augment, generator, self._text(obs))).float()
+        goal = self._to_box(target)
+        span = (self.position_high - self.position_low) / 2
+        error = ((box.detach() - goal).unflatten(-1, (-1, 3)) * span).norm(dim=-1).mean()
+        return F.mse_loss(box, goal), error
+
+    def _to_box(self, positions: torch.Tensor) -> torch.Tensor:
+        """(B, 3 k) m -> the workspace box's units, [-1, 1] inside it (not the data's min-max: a coordinate
+        that barely varies in training would turn a millimetre of error into whole units)."""
+        if positions.shape[-1] != 3 * self.position_points:
+            raise ValueError(
+                f"positions have {positions.shape[-1]} values; the policy predicts {self.position_points} xyz"
+            )
+        low = self.position_low.repeat(self.position_points)
+        span = (self.position_high - self.position_low).repeat(self.position_points)
+        return (positions.to(low.device, torch.float32) - low) / span * 2 - 1
+
+    def _act_condition(
+        self, obs: Mapping[str, Any], box: torch.Tensor, q: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Predict-then-act's condition: normalised proprioception (B, To Ds), positions (B, 3 k) in box
+        units and the instruction's vector (B, D) -> (B, cond_dim)."""
+        parts = []
+        if self.state_dim:
+            state = self._history("state", obs["state"], box.shape[0])  # (B, To, Ds)
+            parts.append(self.state_normalizer.normalize(state.float()).flatten(1))
+        parts.append(box.float())
+        if q is not None:
+            parts.append(q[:, 0].float())
+        return self.act_head(torch.cat(parts, dim=-1))
+
+    def _text(self, obs: Mapping[str, Any]) -> torch.Tensor | None:
+        """The instruction's embedding (B, 1, D), or None without text."""
+        if not self.use_text:
+            return None
+        if "instruction" not in obs:
+            raise KeyError("observation lacks ['instruction'] that this policy was built with")
+        instr = obs["instruction"]
+        instr = [str(s) for s in (instr.tolist() if isinstance(instr, np.ndarray) else instr)]
+        if self.blank_text:
+            instr = [""] * len(instr)
+        return self.text(instr)  # (B, 1, D)
+
+    def _history(self, k: str, value: Any, B: int) -> torch.Tensor:
+        """obs[k] as (B, n_obs_steps, ...): a missing To axis read as To = 1, a short history padded by
+        repeating its oldest step (episode start)."""
+        x = torch.as_tensor(value, device=self.head.weight.device)
+        if x.dim() == MODALITIES[k].rank + 1:
+            x = x.unsqueeze(1)  # (B, 1, ...) when the To axis is missing
+        To = x.shape[1]
+        if To > self.n_obs_steps:
+            raise ValueError(
+                f"obs[{k!r}] has To={To} steps but the policy keeps n_obs_steps={self.n_obs_steps}"
+            )
+        if To < self.n_obs_steps:
+            pad = x[:, :1].expand(B, self.n_obs_steps - To, *x.shape[2:])
+            x = torch.cat([pad, x], dim=1)
+        return x
+
+    def _fused(
+        self,
+        obs: Mapping[str, Any],
+        augment: bool,
+        generator: torch.Generator | None,
+        q: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Every enabled modality's tokens fused (and the instruction ``q`` (B, 1, D) attending) -> (B,
+        cond_dim): the condition itself, or what predict-then-act reads the positions from."""
         B = self._batch(obs)
-        q = None
-        if self.use_text:
-            instr = obs["instruction"]
-            instr = [str(s) for s in (instr.tolist() if isinstance(instr, np.ndarray) else instr)]
-            if self.blank_text:
-                instr = [""] * len(instr)
-            q = self.text(instr)  # (B, 1, D)
         tokens = []
         for k in self.modalities:
-            x = torch.as_tensor(obs[k], device=device)
-            if x.dim() == MODALITIES[k].rank + 1:
-                x = x.unsqueeze(1)  # (B, 1, ...) when the To axis is missing
+            x = self._history(k, obs[k], B)  # (B, To, ...)
             To = x.shape[1]
-            if To > self.n_obs_steps:
-                raise ValueError(
-                    f"obs[{k!r}] has To={To} steps but the policy keeps n_obs_steps={self.n_obs_steps}"
-                )
-            if To < self.n_obs_steps:  # a short history (episode start): repeat its oldest step
-                pad = x[:, :1].expand(B, self.n_obs_steps - To, *x.shape[2:])
-                x, To = torch.cat([pad, x], dim=1), self.n_obs_steps  # (B, To, ...)
             flat = x.reshape(B * To, *x.shape[2:])  # (B To, ...)
             text = q[:, 0].repeat_interleave(To, dim=0) if k in self.filmed else None  # (B To, D)
             if k == "state":

@@ -114,13 +114,16 @@ class PolicyBase(nn.Module):
         return (elements.mean(dim=(0, 2)) * w.to(elements.dtype)).sum() / w.sum()
 
     # --------------------------------------------------------------------------------------- encoding
-    def encode(self, obs: Obs, *, augment: bool | None = None) -> torch.Tensor:
-        """Observation dict -> cond (B, cond_dim); random-shift augmentation defaults to training mode."""
+    def encode(
+        self, obs: Obs, *, augment: bool | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Observation dict -> cond (B, cond_dim); random-shift augmentation defaults to training mode.
+        ``positions`` (B, 3 k) m: predict-then-act's condition from these instead of the predicted ones."""
         augment = self.training if augment is None else augment
         if self.encoders_frozen:
             with torch.no_grad():
-                return self.obs_encoder(obs, augment)
-        return self.obs_encoder(obs, augment)
+                return self.obs_encoder(obs, augment, positions=positions)
+        return self.obs_encoder(obs, augment, positions=positions)
 
     def reduce_executed(self, log_prob: torch.Tensor) -> torch.Tensor:
         """(..., Ta, Da) elementwise log-probs -> (...) mean over the executed Te x Da part."""

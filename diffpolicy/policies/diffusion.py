@@ -247,16 +247,18 @@ class DiffusionPolicy(PolicyBase):
         generator: torch.Generator | None = None,
         draws: int = 1,
         return_cond: bool = False,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Behaviour-cloning DDPM loss: obs (B, To, ...), actions (B, Ta, Da) env units -> scalar (fp32).
 
         ``draws`` > 1 encodes each observation once and averages the loss over that many (step, noise)
         draws of its chunk (the denoiser sees B * draws samples): lower-variance gradients for the encoders
         at the denoiser's cost only. The chunk's steps are weighted by :meth:`chunk_loss`. ``return_cond``
-        also returns the condition (B, cond_dim), for an auxiliary loss on it."""
+        also returns the condition (B, cond_dim), for an auxiliary loss on it. ``positions`` (B, 3 k) m:
+        predict-then-act's condition is computed from these (BC's noised labels), not from perception."""
         if draws < 1:
             raise ValueError(f"draws={draws} must be >= 1")
-        cond = self.encode(obs)
+        cond = self.encode(obs, positions=positions)
         x0 = self.action_normalizer.normalize(actions.to(self.device, torch.float32))
         c, x = (
             (cond, x0) if draws == 1 else (cond.repeat_interleave(draws, 0), x0.repeat_interleave(draws, 0))

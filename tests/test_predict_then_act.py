@@ -1,0 +1,180 @@
+"""Predict-then-act (``policy.encoder.predict_positions``): perception predicts positions, the denoiser's
+condition reads proprioception, those positions and the instruction only; BC teaches the condition on noised
+labels and the prediction on the labels."""
+
+import pytest
+import torch
+
+from diffpolicy.bc import bc_losses, behaviour_cloning, target_head
+from diffpolicy.config import BCConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.demos import collect_demos
+from diffpolicy.device import Runtime
+from diffpolicy.encoders.fusion import ObservationEncoder
+from diffpolicy.logger import Logger, read_metrics
+from diffpolicy.policy_io import build_policy, load_policy
+
+D = 16
+ENC = EncoderConfig(rgb_channels=[8], rgb_keypoints=4, point_channels=[8], point_keypoints=4, token_dim=D,
+                    fusion_heads=2, state_hidden=16, predict_positions=2)  # fmt: skip
+SPEC = {"rgb": (24, 24, 3), "points": (50, 6), "state": (5,), "instruction": None}
+POLICY = PolicyConfig(encoder=ENC, cond_dim=16, down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=16,
+                      n_action_steps=8, train_timesteps=20, ddim_steps=4)  # fmt: skip
+
+
+def obs(b: int = 4, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "rgb": torch.randint(0, 256, (b, 1, 24, 24, 3), dtype=torch.uint8, generator=g),
+        "points": torch.rand(b, 1, 50, 6, generator=g) * 0.6,
+        "state": torch.randn(b, 1, 5, generator=g),
+        "instruction": ["push the puck to the goal"] * b,
+    }
+
+
+def encoder(seed: int = 0) -> ObservationEncoder:
+    torch.manual_seed(seed)
+    enc = ObservationEncoder(ENC, SPEC, 1, 16, text_backend="hash")
+    enc.state_normalizer.fit(torch.randn(64, 5))
+    return enc.eval()
+
+
+def test_config_validates_the_fields() -> None:
+    with pytest.raises(ValueError, match="predict_positions"):
+        EncoderConfig(predict_positions=-1)
+    with pytest.raises(ValueError, match="position_noise"):
+        EncoderConfig(position_noise=-0.01)
+    assert not hasattr(ObservationEncoder(EncoderConfig(token_dim=D, fusion_heads=2), SPEC, 1, 16,
+                                          text_backend="hash"), "position_head")  # fmt: skip
+
+
+def test_the_condition_reads_positions_not_the_scene() -> None:
+    """Given positions, perception is not run: another image and cloud give the same condition; other
+    positions, another proprioception give another."""
+    enc = encoder()
+    o, other = obs(seed=0), obs(seed=1)
+    pos = torch.rand(4, 6) * 0.5
+    cond = enc(o, positions=pos)
+    assert cond.shape == (4, 16)
+    scene_swapped = {**o, "rgb": other["rgb"], "points": other["points"]}
+    torch.testing.assert_close(enc(scene_swapped, positions=pos), cond)
+    assert not torch.allclose(enc(o, positions=pos + 0.05), cond)
+    assert not torch.allclose(enc({**o, "state": other["state"]}, positions=pos), cond)
+    with pytest.raises(ValueError, match="predicts 2 xyz"):
+        enc(o, positions=pos[:, :3])
+
+
+def test_acting_uses_the_predicted_positions() -> None:
+    """Without positions the condition is the one of the positions perception predicts (in m, round-tripped
+    through the workspace box), and it changes with the scene."""
+    enc = encoder()
+    o = obs()
+    pred = enc.predict_positions(o)
+    assert pred.shape == (4, 6)
+    torch.testing.assert_close(enc(o), enc(o, positions=pred), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(enc(o), enc({**o, "points": obs(seed=1)["points"]}))
+
+
+def test_position_loss_against_an_independent_reference() -> None:
+    enc = encoder()
+    o = obs()
+    target = torch.rand(4, 6) * 0.5
+    loss, error = enc.position_loss(o, target)
+    pred = enc.predict_positions(o)  # m
+    span = (torch.tensor(ENC.workspace_high) - torch.tensor(ENC.workspace_low)).repeat(2)
+    want = (((pred - target) / span * 2) ** 2).mean()
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-4)
+    dist = (pred - target).view(4, 2, 3).norm(dim=-1).mean()
+    torch.testing.assert_close(error, dist, atol=1e-5, rtol=1e-4)
+    zero, err0 = enc.position_loss(o, pred.detach())
+    assert float(zero.detach()) < 1e-10 and float(err0) < 1e-5
+
+
+class _Labelled:
+    """A dataset stand-in: ``target`` rows of ``width`` values."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def target(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(idx), self.width)
+
+
+def test_target_head_checks_the_label_and_the_weight() -> None:
+    """The policy's own head replaces BC's: no separate head; a label of another size, or no weight on the
+    prediction, fails before training with what to change."""
+    assert target_head(_Labelled(6), POLICY, BCConfig(target_aux_weight=1.0), torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="holds 1 positions"):
+        target_head(_Labelled(3), POLICY, BCConfig(target_aux_weight=1.0), torch.device("cpu"))
+    with pytest.raises(ValueError, match="target_aux_weight > 0"):
+        target_head(_Labelled(6), POLICY, BCConfig(target_aux_weight=0.0), torch.device("cpu"))
+
+
+def test_bc_step_direction() -> None:
+    """On a fixed batch: the BC loss reaches the denoiser and the condition MLP but never perception (its
+    condition reads the labels), the position loss reaches perception; a few steps lower both."""
+    torch.manual_seed(0)
+    policy = build_policy(POLICY, SPEC, 3, text_backend="hash")
+    policy.fit_normalizers(actions=torch.rand(64, 3) * 2 - 1, state=torch.randn(64, 5))
+    policy.train()
+    o, actions, target = obs(8), torch.rand(8, 16, 3) * 2 - 1, torch.rand(8, 6) * 0.5
+    bc = BCConfig(target_aux_weight=1.0)
+    loss, aux_loss, _ = bc_losses(policy, None, o, actions, target, bc, torch.Generator().manual_seed(0))
+    loss.backward()
+    perception = policy.obs_encoder.encoders["points"]
+    assert all(p.grad is None for p in perception.parameters())
+    assert all(p.grad is None for p in policy.obs_encoder.position_head.parameters())
+    # the condition MLP is in the BC loss's graph (its gradient may start at zero: the U-Net's FiLM is
+    # zero-initialised)
+    assert all(p.grad is not None for p in policy.obs_encoder.act_head.parameters())
+    policy.zero_grad(set_to_none=True)
+    aux_loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in perception.parameters())
+    assert all(p.grad is None for p in policy.denoiser.parameters())
+
+    optim = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    first = None
+    for step in range(40):
+        gen = torch.Generator().manual_seed(step % 2)  # two fixed noise draws
+        loss, aux_loss, _ = bc_losses(policy, None, o, actions, target, bc, gen)
+        optim.zero_grad(set_to_none=True)
+        (loss + aux_loss).backward()
+        optim.step()
+        first = first or (float(loss.detach()), float(aux_loss.detach()))
+    assert float(aux_loss.detach()) < 0.3 * first[1]
+    assert float(loss.detach()) < first[0]
+
+
+def test_multimodal_bc_predicts_then_acts(tmp_path) -> None:
+    """Multimodal BC on the pick task's demonstrations (its label: the named cube's position, k = 1): the
+    position error is logged, the head and condition MLP are saved with the policy, and the loaded policy
+    acts from its own prediction."""
+    env = EnvConfig(image_size=32, n_points=64, num_envs=2)
+    demos = collect_demos(env, 1, 0, tmp_path / "pick")["path"]
+    policy_cfg = PolicyConfig(
+        encoder=EncoderConfig(rgb_channels=[8], rgb_keypoints=4, point_channels=[8], point_keypoints=4,
+                              token_dim=16, fusion_heads=2, state_hidden=16, predict_positions=1),
+        cond_dim=16, down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=16, n_action_steps=8,
+        train_timesteps=20, ddim_steps=4,
+    )  # fmt: skip
+    cpu = Runtime.from_config(DeviceConfig(type="cpu"))
+    with Logger(tmp_path, tensorboard=False, progress=False) as log:
+        _, metrics = behaviour_cloning(
+            env, policy_cfg, BCConfig(epochs=2, batch_size=16, target_aux_weight=1.0), demos, cpu, log,
+            tmp_path, 0, text_backend="hash",
+        )  # fmt: skip
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "losses/target_aux" in r]
+    assert rows and all(0 < r["train/target_error_cm"] < 200 for r in rows)
+    loaded, _, ckpt = load_policy(metrics["checkpoint"])
+    assert any(k.startswith("obs_encoder.position_head.") for k in ckpt.state["policy"])
+    assert loaded.cfg.encoder.predict_positions == 1
+    from diffpolicy.data.windows import DemoWindows
+
+    batch, _ = DemoWindows(demos, 1, 16).batch(torch.arange(2), torch.device("cpu"))
+    out = loaded.sample(batch, deterministic=True)
+    assert out.actions.shape[:2] == (2, 16) and bool(torch.isfinite(out.actions).all())
+    # acting reads the prediction: the condition equals the one built from the predicted positions
+    with torch.no_grad():
+        pred = loaded.obs_encoder.predict_positions(batch)
+        torch.testing.assert_close(
+            loaded.encode(batch), loaded.encode(batch, positions=pred), atol=1e-5, rtol=1e-5
+        )
