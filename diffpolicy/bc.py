@@ -173,7 +173,10 @@ def fitted_policy(data: Any, policy_cfg: PolicyConfig, text_backend: str) -> Any
     policy = build_policy(policy_cfg, data.obs_spec, data.action_dim, text_backend=text_backend)
     steps = data.steps()
     state = data.data["state"][steps] if "state" in data.data else None
-    policy.fit_normalizers(actions=data.data["action"][steps], state=state)
+    positions = None
+    if policy_cfg.encoder.predict_positions and data.has_target:  # predict-then-act's labelled positions
+        positions = data.target(torch.arange(len(data)))
+    policy.fit_normalizers(actions=data.data["action"][steps], state=state, positions=positions)
     return policy
 
 

@@ -22,13 +22,17 @@ class MinMaxNormalizer(nn.Module):
         self.register_buffer("high", torch.ones(dim))
 
     @torch.no_grad()
-    def fit(self, data: torch.Tensor) -> MinMaxNormalizer:
-        """Set low/high to the per-dimension min/max of data (..., D) (any leading shape); returns self."""
+    def fit(self, data: torch.Tensor, min_span: float = 0.0) -> MinMaxNormalizer:
+        """Set low/high to the per-dimension min/max of data (..., D) (any leading shape), each range widened
+        about its centre to at least ``min_span`` (so that a coordinate that barely varies in the data does
+        not turn a small error into whole units); returns self."""
         flat = torch.as_tensor(data).reshape(-1, self.dim).to(self.low.device, torch.float32)
         if flat.shape[0] == 0:
             raise ValueError("cannot fit a normalizer on an empty tensor")
-        self.low.copy_(flat.min(dim=0).values)
-        self.high.copy_(flat.max(dim=0).values)
+        low, high = flat.min(dim=0).values, flat.max(dim=0).values
+        pad = (min_span - (high - low)).clamp_min(0.0) / 2
+        self.low.copy_(low - pad)
+        self.high.copy_(high + pad)
         return self
 
     def _scale_center(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -178,3 +178,21 @@ def test_multimodal_bc_predicts_then_acts(tmp_path) -> None:
         torch.testing.assert_close(
             loaded.encode(batch), loaded.encode(batch, positions=pred), atol=1e-5, rtol=1e-5
         )
+
+
+def test_the_position_normaliser_keeps_a_floor_on_each_range() -> None:
+    """A coordinate the demonstrations barely vary (a goal's height) is read on at least 5 cm, so that a
+    millimetre of perception error stays a small fraction of a unit; wide coordinates keep their range."""
+    from diffpolicy.normalizer import MinMaxNormalizer
+
+    data = torch.tensor([[0.0, 0.300], [0.2, 0.301]])
+    norm = MinMaxNormalizer(2).fit(data, min_span=0.05)
+    torch.testing.assert_close(norm.low, torch.tensor([0.0, 0.3005 - 0.025]))
+    torch.testing.assert_close(norm.high, torch.tensor([0.2, 0.3005 + 0.025]))
+    moved = norm.normalize(torch.tensor([[0.1, 0.3015]])) - norm.normalize(torch.tensor([[0.1, 0.3005]]))
+    assert abs(float(moved[0, 1]) - 0.04) < 1e-4  # 1 mm of 5 cm: 0.04 of the [-1, 1] range
+    torch.testing.assert_close(MinMaxNormalizer(2).fit(data).high, data.max(0).values)  # no floor by default
+    policy = build_policy(POLICY, SPEC, 3, text_backend="hash")
+    policy.fit_normalizers(positions=torch.rand(20, 6) * 0.001)
+    span = policy.obs_encoder.position_normalizer.high - policy.obs_encoder.position_normalizer.low
+    torch.testing.assert_close(span, torch.full((6,), 0.05))

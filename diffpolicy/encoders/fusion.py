@@ -87,6 +87,9 @@ class AttentionBlock(nn.Module):
 
 POSITION_HIDDEN = 256
 """Hidden width of predict-then-act's position head and of its condition MLP."""
+POSITION_MIN_SPAN = 0.05
+"""Smallest range (m) of a position coordinate as the condition normalises it: a coordinate the demonstrations
+barely vary (a goal's height) would otherwise turn a millimetre of perception error into whole units."""
 
 
 class ObservationEncoder(nn.Module):
@@ -173,6 +176,9 @@ class ObservationEncoder(nn.Module):
             k = self.position_points
             self.register_buffer("position_low", torch.tensor(cfg.workspace_low), persistent=False)
             self.register_buffer("position_high", torch.tensor(cfg.workspace_high), persistent=False)
+            self.position_normalizer = MinMaxNormalizer(3 * k)
+            """The positions as the condition reads them: the demonstrations' range of each coordinate,
+            widened to at least :data:`POSITION_MIN_SPAN` (fitted with the other normalisers)."""
             self.position_head = nn.Sequential(
                 nn.Linear(cond_dim, POSITION_HIDDEN), nn.Mish(), nn.Linear(POSITION_HIDDEN, 3 * k)
             )
@@ -208,16 +214,21 @@ class ObservationEncoder(nn.Module):
         if not self.position_points:
             return self._fused(obs, augment, generator, q)
         if positions is None:
-            box = self.position_head(self._fused(obs, augment, generator, q))  # (B, 3 k) box units
-        else:
-            box = self._to_box(positions)
-        return self._act_condition(obs, box, q)
+            positions = self._from_box(self.position_head(self._fused(obs, augment, generator, q)))
+        elif positions.shape[-1] != 3 * self.position_points:
+            raise ValueError(
+                f"positions have {positions.shape[-1]} values; the policy predicts {self.position_points} xyz"
+            )
+        return self._act_condition(obs, positions, q)
 
     def predict_positions(
         self, obs: Mapping[str, Any], augment: bool = False, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         """Predict-then-act: the k positions perception reads, (B, 3 k) in m."""
-        box = self.position_head(self._fused(obs, augment, generator, self._text(obs)))
+        return self._from_box(self.position_head(self._fused(obs, augment, generator, self._text(obs))))
+
+    def _from_box(self, box: torch.Tensor) -> torch.Tensor:
+        """(B, 3 k) in the workspace box's units -> m."""
         span = (self.position_high - self.position_low).repeat(self.position_points)
         return (box.float() + 1) / 2 * span + self.position_low.repeat(self.position_points)
 
@@ -238,26 +249,21 @@ class ObservationEncoder(nn.Module):
         return F.mse_loss(box, goal), error
 
     def _to_box(self, positions: torch.Tensor) -> torch.Tensor:
-        """(B, 3 k) m -> the workspace box's units, [-1, 1] inside it (not the data's min-max: a coordinate
-        that barely varies in training would turn a millimetre of error into whole units)."""
-        if positions.shape[-1] != 3 * self.position_points:
-            raise ValueError(
-                f"positions have {positions.shape[-1]} values; the policy predicts {self.position_points} xyz"
-            )
+        """(B, 3 k) m -> the workspace box's units, [-1, 1] inside it: what the head regresses."""
         low = self.position_low.repeat(self.position_points)
         span = (self.position_high - self.position_low).repeat(self.position_points)
         return (positions.to(low.device, torch.float32) - low) / span * 2 - 1
 
     def _act_condition(
-        self, obs: Mapping[str, Any], box: torch.Tensor, q: torch.Tensor | None
+        self, obs: Mapping[str, Any], positions: torch.Tensor, q: torch.Tensor | None
     ) -> torch.Tensor:
-        """Predict-then-act's condition: normalised proprioception (B, To Ds), positions (B, 3 k) in box
-        units and the instruction's vector (B, D) -> (B, cond_dim)."""
+        """Predict-then-act's condition: normalised proprioception (B, To Ds), positions (B, 3 k) m
+        (normalised by :attr:`position_normalizer`) and the instruction's vector (B, D) -> (B, cond_dim)."""
         parts = []
         if self.state_dim:
-            state = self._history("state", obs["state"], box.shape[0])  # (B, To, Ds)
+            state = self._history("state", obs["state"], positions.shape[0])  # (B, To, Ds)
             parts.append(self.state_normalizer.normalize(state.float()).flatten(1))
-        parts.append(box.float())
+        parts.append(self.position_normalizer.normalize(positions.to(self.head.weight.device).float()))
         if q is not None:
             parts.append(q[:, 0].float())
         return self.act_head(torch.cat(parts, dim=-1))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from diffpolicy.config import PolicyConfig
-from diffpolicy.encoders.fusion import ObservationEncoder
+from diffpolicy.encoders.fusion import POSITION_MIN_SPAN, ObservationEncoder
 from diffpolicy.modalities import MODALITIES
 from diffpolicy.normalizer import MinMaxNormalizer
 
@@ -79,12 +79,21 @@ class PolicyBase(nn.Module):
         self.encoders_frozen = frozen
         self.obs_encoder.requires_grad_(not frozen)
 
-    def fit_normalizers(self, actions: torch.Tensor | None = None, state: torch.Tensor | None = None) -> None:
-        """Fit min/max of actions (..., Da) and proprioception (..., Ds) from demonstration data."""
+    def fit_normalizers(
+        self,
+        actions: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Fit min/max of actions (..., Da) and proprioception (..., Ds) from demonstration data, and with
+        predict-then-act of the labelled positions (..., 3 k) m (each range at least
+        :data:`~diffpolicy.encoders.fusion.POSITION_MIN_SPAN`)."""
         if actions is not None:
             self.action_normalizer.fit(actions)
         if state is not None and self.obs_encoder.state_dim:
             self.obs_encoder.state_normalizer.fit(state)
+        if positions is not None and self.obs_encoder.position_points:
+            self.obs_encoder.position_normalizer.fit(positions, min_span=POSITION_MIN_SPAN)
 
     @property
     def device(self) -> torch.device:
