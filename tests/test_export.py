@@ -180,3 +180,16 @@ def test_export_entry_point(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("error: no checkpoint")
+
+
+def test_predict_then_act_policy_exports_with_parity(tmp_path):
+    """policy.encoder.predict_positions: the graph runs perception, the position head and the condition MLP
+    as the module does (acting reads the prediction)."""
+    shapes = {"rgb": [16, 16, 3], "points": [64, 3], "state": [5], "instruction": None}
+    cfg = _tiny_cfg()
+    cfg = dataclasses.replace(cfg, encoder=dataclasses.replace(cfg.encoder, predict_positions=2))
+    policy = _policy(cfg, shapes)
+    policy.fit_normalizers(positions=torch.rand(64, 6) * 0.3)
+    path = tmp_path / "policy.onnx"
+    graph, spec = export_onnx(policy, shapes, path, batch_size=2)
+    assert check_parity(graph, path, spec, seed=3)["max_abs_err"] <= ATOL
