@@ -29,6 +29,7 @@ from diffpolicy.data.windows import DemoWindows
 from diffpolicy.demos import demonstrations, demonstrations_key
 from diffpolicy.device import Runtime
 from diffpolicy.diffusion.schedule import ddpm_loss
+from diffpolicy.encoders.fusion import PositionHead
 from diffpolicy.logger import Logger
 from diffpolicy.policy_io import (
     ENCODER_FIELDS_ADDED,
@@ -99,30 +100,10 @@ def adamw(params: list[torch.nn.Parameter], lr: float, fused: bool = False) -> t
     )
 
 
-class TargetHead(torch.nn.Module):
-    """BC's auxiliary head: the condition (B, cond_dim) -> the privileged label's ``points`` positions (the
-    named object's; Meta-World's ``label=both``: object and goal), each scaled from the workspace box
-    ``low`` .. ``high`` (m) to [-1, 1] (B, 3 points). Trained beside the policy, never saved with it."""
-
-    def __init__(
-        self, cond_dim: int, low: list[float], high: list[float], hidden: int = 256, points: int = 1
-    ) -> None:
-        super().__init__()
-        self.points = points
-        self.register_buffer("low", torch.tensor(low, dtype=torch.float32), persistent=False)
-        self.register_buffer("high", torch.tensor(high, dtype=torch.float32), persistent=False)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(cond_dim, hidden), torch.nn.Mish(), torch.nn.Linear(hidden, 3 * points)
-        )
-
-    def forward(self, cond: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cond (B, cond_dim), target (B, 3 points) m -> (mean squared error in box units, mean error per
-        point (m) detached)."""
-        span = self.high - self.low
-        pred = self.net(cond.float()).unflatten(-1, (self.points, 3))  # (B, points, 3) in box units
-        goal = (target.float().unflatten(-1, (self.points, 3)) - self.low) / span * 2 - 1
-        error = ((pred.detach() - goal) * span / 2).norm(dim=-1).mean()
-        return torch.nn.functional.mse_loss(pred, goal), error
+TargetHead = PositionHead
+"""BC's auxiliary head (:class:`~diffpolicy.encoders.fusion.PositionHead`): the condition -> the privileged
+label's positions (the named object's; Meta-World's ``label=both``: object and goal). Trained beside the
+policy, never saved with it (predict-then-act keeps the same head inside the policy instead)."""
 
 
 def translate_scene(

@@ -92,6 +92,35 @@ POSITION_MIN_SPAN = 0.05
 barely vary (a goal's height) would otherwise turn a millimetre of perception error into whole units."""
 
 
+class PositionHead(nn.Module):
+    """The condition (B, cond_dim) -> ``points`` xyz positions, regressed in the workspace box's units (each
+    coordinate scaled from ``low`` .. ``high`` (m) to [-1, 1]): BC's auxiliary head, and predict-then-act's
+    position head inside the encoder."""
+
+    def __init__(
+        self, cond_dim: int, low: list[float], high: list[float], hidden: int = 256, points: int = 1
+    ) -> None:
+        super().__init__()
+        self.points = points
+        self.register_buffer("low", torch.tensor(low, dtype=torch.float32), persistent=False)
+        self.register_buffer("high", torch.tensor(high, dtype=torch.float32), persistent=False)
+        self.net = nn.Sequential(nn.Linear(cond_dim, hidden), nn.Mish(), nn.Linear(hidden, 3 * points))
+
+    def predict(self, cond: torch.Tensor) -> torch.Tensor:
+        """cond (B, cond_dim) -> the positions (B, 3 points) in m."""
+        box = self.net(cond.float()).unflatten(-1, (self.points, 3))  # (B, points, 3) in box units
+        return ((box + 1) / 2 * (self.high - self.low) + self.low).flatten(-2)
+
+    def forward(self, cond: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cond (B, cond_dim), target (B, 3 points) m -> (mean squared error in box units, mean error per
+        point (m) detached)."""
+        span = self.high - self.low
+        pred = self.net(cond.float()).unflatten(-1, (self.points, 3))  # (B, points, 3) in box units
+        goal = (target.float().unflatten(-1, (self.points, 3)) - self.low) / span * 2 - 1
+        error = ((pred.detach() - goal) * span / 2).norm(dim=-1).mean()
+        return F.mse_loss(pred, goal), error
+
+
 class ObservationEncoder(nn.Module):
     """Observation dict -> cond (B, cond_dim).
 
@@ -174,13 +203,11 @@ class ObservationEncoder(nn.Module):
         perception; the condition then comes from proprioception, them and the instruction (0: off)."""
         if self.position_points:
             k = self.position_points
-            self.register_buffer("position_low", torch.tensor(cfg.workspace_low), persistent=False)
-            self.register_buffer("position_high", torch.tensor(cfg.workspace_high), persistent=False)
             self.position_normalizer = MinMaxNormalizer(3 * k)
             """The positions as the condition reads them: the demonstrations' range of each coordinate,
             widened to at least :data:`POSITION_MIN_SPAN` (fitted with the other normalisers)."""
-            self.position_head = nn.Sequential(
-                nn.Linear(cond_dim, POSITION_HIDDEN), nn.Mish(), nn.Linear(POSITION_HIDDEN, 3 * k)
+            self.position_head = PositionHead(
+                cond_dim, cfg.workspace_low, cfg.workspace_high, POSITION_HIDDEN, points=k
             )
             act_in = n_obs_steps * self.state_dim + 3 * k + (D if self.use_text else 0)
             self.act_head = nn.Sequential(
@@ -214,7 +241,7 @@ class ObservationEncoder(nn.Module):
         if not self.position_points:
             return self._fused(obs, augment, generator, q)
         if positions is None:
-            positions = self._from_box(self.position_head(self._fused(obs, augment, generator, q)))
+            positions = self.position_head.predict(self._fused(obs, augment, generator, q))
         elif positions.shape[-1] != 3 * self.position_points:
             raise ValueError(
                 f"positions have {positions.shape[-1]} values; the policy predicts {self.position_points} xyz"
@@ -225,12 +252,7 @@ class ObservationEncoder(nn.Module):
         self, obs: Mapping[str, Any], augment: bool = False, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         """Predict-then-act: the k positions perception reads, (B, 3 k) in m."""
-        return self._from_box(self.position_head(self._fused(obs, augment, generator, self._text(obs))))
-
-    def _from_box(self, box: torch.Tensor) -> torch.Tensor:
-        """(B, 3 k) in the workspace box's units -> m."""
-        span = (self.position_high - self.position_low).repeat(self.position_points)
-        return (box.float() + 1) / 2 * span + self.position_low.repeat(self.position_points)
+        return self.position_head.predict(self._fused(obs, augment, generator, self._text(obs)))
 
     def position_loss(
         self,
@@ -242,17 +264,7 @@ class ObservationEncoder(nn.Module):
         """Predict-then-act: the prediction against the labelled positions ``target`` (B, 3 k) m -> (mean
         squared error in workspace-box units [-1, 1] (differentiable), mean distance per position in m
         (detached))."""
-        box = self.position_head(self._fused(obs, augment, generator, self._text(obs))).float()
-        goal = self._to_box(target)
-        span = (self.position_high - self.position_low) / 2
-        error = ((box.detach() - goal).unflatten(-1, (-1, 3)) * span).norm(dim=-1).mean()
-        return F.mse_loss(box, goal), error
-
-    def _to_box(self, positions: torch.Tensor) -> torch.Tensor:
-        """(B, 3 k) m -> the workspace box's units, [-1, 1] inside it: what the head regresses."""
-        low = self.position_low.repeat(self.position_points)
-        span = (self.position_high - self.position_low).repeat(self.position_points)
-        return (positions.to(low.device, torch.float32) - low) / span * 2 - 1
+        return self.position_head(self._fused(obs, augment, generator, self._text(obs)), target)
 
     def _act_condition(
         self, obs: Mapping[str, Any], positions: torch.Tensor, q: torch.Tensor | None
