@@ -108,6 +108,17 @@ def test_an_environment_derives_per_observation_mode(compose) -> None:
     assert (pick.steps, pick.translate, pick.epochs) == (0, 0.0, 18)
 
 
+def test_metaworld_multimodal_predicts_then_acts(compose) -> None:
+    """Meta-World's multimodal policy reads predicted object and goal positions (the env labels both); its
+    state policy and the pick task's do not; a value set on the command line wins."""
+    enc = lambda *o: compose("pretrain", list(o)).policy.encoder
+    mm = compose("pretrain", ["env=metaworld", "env.task=push"])
+    assert (mm.policy.encoder.predict_positions, mm.env.kwargs["label"]) == (2, "both")
+    assert enc("env=metaworld", "env.task=push", "env.obs_mode=state").predict_positions == 0
+    assert enc("env=metaworld", "env.task=push", "policy.encoder.predict_positions=0").predict_positions == 0
+    assert enc("env.obs_mode=multimodal").predict_positions == 0 and enc().predict_positions == 0
+
+
 def test_a_yaml_value_wins_over_the_obs_mode_default(compose) -> None:
     """conf/experiment/quick.yaml sets 100 epochs of batch 64: both stay, use_state is derived."""
     cfg = compose("train", ["+experiment=quick", "env.obs_mode=multimodal"])

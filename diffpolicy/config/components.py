@@ -126,13 +126,14 @@ class EncoderConfig:
     """The instruction FiLM-modulates the RGB encoder's and the point encoder's features (language-conditioned
     perception), so their keypoints can follow the object it names; without it the text only attends to the
     fused tokens."""
-    predict_positions: int = 0
+    predict_positions: int | None = None
     """Predict-then-act: with k > 0 the encoder predicts k xyz positions (the demonstrations' ``target_pos``
     label: Meta-World's ``env.kwargs.label=both`` gives the object's and the goal's, k = 2) from the fused
     perception, and the denoiser's condition is computed from the proprioception, those k positions and the
     instruction alone, so the denoiser cannot key its actions on a scene's look. BC trains the prediction
     on the label (weight ``bc.target_aux_weight``) and the condition on the label plus ``position_noise``;
-    acting uses the prediction. 0: the fused perception is the condition."""
+    acting uses the prediction. 0: the fused perception is the condition. Null: derived from the environment
+    (:data:`ENV_DEFAULTS`): 2 for Meta-World's multimodal policy, else 0."""
     position_noise: float = 0.01
     """Predict-then-act: std (m, per axis) of the Gaussian error added to the labelled positions the
     condition is trained on, about what perception misses on new scenes (docs/experiments.md, 2026-12-02)."""

@@ -430,18 +430,17 @@ PRIMARY: dict[str, type] = {
 
 POLICY_DERIVED = ("n_groups", "n_action_steps", "ddim_steps", "unexecuted_weight")
 """PolicyConfig fields whose null default :meth:`PolicyConfig.__post_init__` derives from other fields."""
+
+
+def _obs_mode_derived(prefix: str) -> tuple[str, ...]:
+    """The field names under ``prefix`` that :data:`OBS_MODE_DEFAULTS` derives."""
+    return tuple(p.rpartition(".")[2] for p in OBS_MODE_DEFAULTS["state"] if p.rpartition(".")[0] == prefix)
+
+
 DERIVED: dict[type, tuple[str, ...]] = {
     PolicyConfig: POLICY_DERIVED,
-    EncoderConfig: ("use_state", "workspace_low", "workspace_high"),
-    BCConfig: (
-        "epochs",
-        "steps",
-        "batch_size",
-        "n_demos",
-        "target_aux_weight",
-        "translate",
-        "translate_state",
-    ),
+    EncoderConfig: _obs_mode_derived("policy.encoder"),
+    BCConfig: _obs_mode_derived("bc"),
 }
 """Fields whose null default is derived when the config is built: from the component's own fields, or from
 ``env.obs_mode`` (:data:`OBS_MODE_DEFAULTS`, :func:`derive_from_obs_mode`)."""
