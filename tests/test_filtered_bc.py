@@ -289,6 +289,7 @@ def test_a_filtered_round_moves_the_policy_toward_the_kept_episode_not_the_faile
     learner.policy, learner.model = policy.eval(), copy.deepcopy(policy).train()
     learner.params = [p for p in learner.model.parameters() if p.requires_grad]
     learner.optim = torch.optim.AdamW(learner.params, lr=3e-3)
+    learner.labelled = False  # a state policy: no predicted positions
     learner.demos = WindowStore(8)  # one demonstration elsewhere: the continuation mixes demos and kept
     learner.demos.add_episode([({"state": -s0}, np.zeros((4, 2), np.float32))] * 2)
     learner.kept = WindowStore(8)

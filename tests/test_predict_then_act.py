@@ -196,3 +196,69 @@ def test_the_position_normaliser_keeps_a_floor_on_each_range() -> None:
     policy.fit_normalizers(positions=torch.rand(20, 6) * 0.001)
     span = policy.obs_encoder.position_normalizer.high - policy.obs_encoder.position_normalizer.low
     torch.testing.assert_close(span, torch.full((6,), 0.05))
+
+
+def test_filtered_bc_trains_a_predict_then_act_policy_on_the_labels() -> None:
+    """A filtered_bc round on demonstrations and kept rollout windows that carry the privileged label: the
+    position head is trained on it (the EMA policy's prediction error falls), as BC trains it. A round that
+    ignored the label would leave the head to whatever the action loss does to it."""
+    import copy
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from diffpolicy.config import FilteredBCConfig
+    from diffpolicy.data.dataset import TARGET_KEY
+    from diffpolicy.distributed import DistInfo
+    from diffpolicy.rl.filtered_bc import FilteredBCLearner, WindowStore
+
+    class Demos(WindowStore):
+        """Demonstration windows whose label is read apart, as :class:`DemoWindows` gives it."""
+
+        has_target = True
+
+        def batch(self, idx, device):
+            o, a = super().batch(idx, device)
+            return {k: v for k, v in o.items() if k != TARGET_KEY}, a
+
+        def target(self, idx, device="cpu"):
+            return super().batch(idx, device)[0][TARGET_KEY][:, 0]
+
+    def episode(seed: int) -> list:
+        o = obs(3, seed)
+        labels = torch.rand(3, 6, generator=torch.Generator().manual_seed(seed)) * 0.5
+        return [
+            ({"rgb": o["rgb"][i, 0].numpy(), "points": o["points"][i, 0].numpy(), "state": o["state"][i, 0].numpy(),
+              "instruction": o["instruction"][i], TARGET_KEY: labels[i].numpy()}, np.full((8, 3), 0.1, np.float32))
+            for i in range(3)
+        ]  # fmt: skip
+
+    torch.manual_seed(0)
+    policy = build_policy(POLICY, SPEC, 3, text_backend="hash")
+    policy.fit_normalizers(actions=torch.rand(64, 3) * 2 - 1, state=torch.randn(64, 5),
+                           positions=torch.rand(64, 6) * 0.5)  # fmt: skip
+    learner = object.__new__(FilteredBCLearner)
+    learner.cfg = SimpleNamespace(algo=FilteredBCConfig(bc_steps=60, lr=3e-3, batch_size=6, keep="success"),
+                                  bc=BCConfig(target_aux_weight=1.0, batch_size=6, ema_decay=0.5))  # fmt: skip
+    learner.rt, learner.info, learner.logger = Runtime.from_config(DeviceConfig(type="cpu")), DistInfo(), None
+    learner.policy, learner.model = policy.eval(), copy.deepcopy(policy).train()
+    learner.params = [p for p in learner.model.parameters() if p.requires_grad]
+    learner.optim = torch.optim.AdamW(learner.params, lr=3e-3)
+    learner.labelled, learner._added = True, 3
+    learner.demos, learner.kept = Demos(16), WindowStore(16)
+    learner.demos.add_episode(episode(0))
+    learner.kept.add_episode(episode(1))  # a kept rollout: its windows hold the label the env reported
+
+    def error() -> float:
+        errors = []
+        for store in (learner.demos, learner.kept):
+            o, _ = WindowStore.batch(store, torch.arange(3), torch.device("cpu"))
+            label = o.pop(TARGET_KEY)[:, 0]
+            with torch.no_grad():
+                errors.append(float((learner.policy.obs_encoder.predict_positions(o) - label).abs().mean()))
+        return sum(errors) / 2
+
+    before = error()
+    metrics = learner.update(seed=0, step=0, iteration=0)
+    assert np.isfinite(metrics["losses/bc"]) and metrics["train/kept_windows"] == 3
+    assert error() < 0.5 * before

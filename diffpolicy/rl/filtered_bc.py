@@ -19,7 +19,11 @@ One round (one iteration of the loop in ``train.py``):
 3. **Update.** The trained weights restart from the EMA weights and take ``algo.bc_steps`` AdamW steps
    (``algo.lr``) of the BC loss on batches of ``algo.batch_size`` (default ``bc.batch_size``) windows drawn uniformly from the
    demonstrations and every kept window; the EMA (``bc.ema_decay``) follows, and is what is rolled out,
-   evaluated and saved.
+   evaluated and saved. A predict-then-act policy (``policy.encoder.predict_positions``) is trained as BC
+   trains it where the demonstrations and the environment both carry the privileged ``target_pos`` label
+   (recorded at every decision of the rollouts): the condition on the labelled positions plus
+   ``position_noise``, the position head on the label (weight ``bc.target_aux_weight``); without the label
+   the condition reads the policy's own prediction and the head is not trained.
 
 It is behaviour cloning on a dataset that grows with the policy's own successes (self-imitation learning,
 Oh et al. 2018; the filtered-BC baseline of offline RL): every update is a BC step toward actions that
@@ -39,8 +43,9 @@ import numpy as np
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.bc import adamw, ema_update
+from diffpolicy.bc import adamw, bc_losses, ema_update
 from diffpolicy.config import FilteredBCConfig, TrainConfig
+from diffpolicy.data.dataset import TARGET_KEY
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
@@ -145,6 +150,11 @@ class FilteredBCLearner(PolicyLearner):
         demos, _ = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir)  # the ones BC was cloned from
         self.keys = list(policy.obs_spec)  # the observation fields the policy reads
         self.demos = DemoWindows(demos, 1, policy.horizon, obs_keys=self.keys)
+        # predict-then-act trained as BC trains it, where the label exists (settled at the first rollout)
+        self.labelled = (
+            bool(getattr(getattr(policy, "obs_encoder", None), "position_points", 0))
+            and self.demos.has_target
+        )
         self.kept = WindowStore(policy.horizon)
         self._added = 0  # windows the last rollout kept
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -167,7 +177,10 @@ class FilteredBCLearner(PolicyLearner):
         played: list[list[tuple[dict[str, Any], np.ndarray]]] = []  # every finished episode, in record order
         for start in range(0, algo.round_episodes, n):
             live = np.arange(n) < min(n, algo.round_episodes - start)
-            obs, _ = self.venv.reset(seed=[base + start + i for i in range(n)])
+            obs, reset_info = self.venv.reset(seed=[base + start + i for i in range(n)])
+            if self.labelled and TARGET_KEY not in reset_info:
+                self.labelled = False  # the env reports no label: the condition reads the prediction
+            label = reset_info.get(TARGET_KEY)  # (n, 3 k) m: the labelled positions of obs
             record.begin(live)
             episodes: list[list[tuple[dict[str, Any], np.ndarray]]] = [[] for _ in range(n)]
             while not record.wave_done:
@@ -185,9 +198,11 @@ class FilteredBCLearner(PolicyLearner):
                     seen = {
                         k: (str(obs[k][i]) if k == "instruction" else np.array(obs[k][i])) for k in self.keys
                     }
+                    if self.labelled:
+                        seen[TARGET_KEY] = np.asarray(label[i], dtype=np.float32)
                     episodes[i].append((seen, actions[i, : int(executed[i])]))
                 record.step(reward, term, trunc, info, executed)
-                obs = obs_next
+                obs, label = obs_next, info.get(TARGET_KEY)
             # a failed episode is never imitated under the success filter: hold only what may be kept
             by_success = self.keep_rule(record.reports_success) == "success"
             played += [episodes[i] if record.succ[i] or not by_success else [] for i in np.flatnonzero(live)]
@@ -235,12 +250,20 @@ class FilteredBCLearner(PolicyLearner):
             for group in self.optim.param_groups:
                 group["lr"] = algo.lr * min(1.0, (k + 1) / warmup)
             idx = torch.randint(0, n_demo + n_kept, (batch,), generator=gen)
-            parts = [self.demos.batch(idx[idx < n_demo], device)]
+            demo_obs, demo_actions = self.demos.batch(idx[idx < n_demo], device)
+            if self.labelled:
+                demo_obs[TARGET_KEY] = self.demos.target(idx[idx < n_demo], device)[:, None]  # (b, 1, 3 k)
+            parts = [(demo_obs, demo_actions)]
             if n_kept:
                 parts.append(self.kept.batch(idx[idx >= n_demo] - n_demo, device))
             obs, actions = concat_batches(parts)
             with self.rt.autocast():
-                loss = self.model.bc_loss(obs, actions)
+                if self.labelled:
+                    target = obs.pop(TARGET_KEY)[:, 0]  # (B, 3 k) m
+                    loss, aux_loss, _ = bc_losses(self.model, None, obs, actions, target, self.cfg.bc, gen)
+                    loss = loss + self.cfg.bc.target_aux_weight * aux_loss
+                else:
+                    loss = self.model.bc_loss(obs, actions)
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             average_gradients(self.params, self.info)
