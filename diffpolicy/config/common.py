@@ -90,6 +90,7 @@ OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "bc.translate": 0.0,
         "bc.translate_state": False,
         "policy.encoder.predict_positions": 0,
+        "policy.encoder.position_head": "fused",
     },
     "multimodal": {
         "policy.encoder.workspace_low": PICK_WORKSPACE[0],
@@ -103,6 +104,7 @@ OBS_MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "bc.translate": 0.0,
         "bc.translate_state": False,
         "policy.encoder.predict_positions": 0,
+        "policy.encoder.position_head": "fused",
     },
 }
 """``env.obs_mode`` -> the values its null fields are derived to, the best BC recipe measured on mujoco_pick

@@ -134,6 +134,12 @@ class EncoderConfig:
     on the label (weight ``bc.target_aux_weight``) and the condition on the label plus ``position_noise``;
     acting uses the prediction. 0: the fused perception is the condition. Null: derived from the environment
     (:data:`ENV_DEFAULTS`): 2 for Meta-World's multimodal policy, else 0."""
+    position_head: str | None = None
+    """Predict-then-act: where the positions are read. ``fused``: regressed by an MLP from the fused
+    perception (every modality); ``points``: each a softmax-weighted mean of the point cloud's points plus a
+    learned offset (:class:`diffpolicy.encoders.fusion.PointPositionHead`), so that it moves with the
+    object's points on scenes the demonstrations never showed. Null: derived from the environment
+    (:data:`OBS_MODE_DEFAULTS`, :data:`ENV_DEFAULTS`): ``fused``."""
     position_noise: float = 0.01
     """Predict-then-act: std (m, per axis) of the Gaussian error added to the labelled positions the
     condition is trained on, about what perception misses on new scenes (docs/experiments.md, 2026-12-02)."""
@@ -162,6 +168,7 @@ class EncoderConfig:
         _positive("policy.encoder.state_hidden", self.state_hidden)
         _positive("policy.encoder.predict_positions", self.predict_positions, allow_zero=True)
         _positive("policy.encoder.position_noise", self.position_noise, allow_zero=True)
+        _choice("policy.encoder.position_head", self.position_head, ("fused", "points"))
 
 
 @dataclass

@@ -95,7 +95,7 @@ barely vary (a goal's height) would otherwise turn a millimetre of perception er
 class PositionHead(nn.Module):
     """The condition (B, cond_dim) -> ``points`` xyz positions, regressed in the workspace box's units (each
     coordinate scaled from ``low`` .. ``high`` (m) to [-1, 1]): BC's auxiliary head, and predict-then-act's
-    position head inside the encoder."""
+    position head inside the encoder (``policy.encoder.position_head=fused``)."""
 
     def __init__(
         self, cond_dim: int, low: list[float], high: list[float], hidden: int = 256, points: int = 1
@@ -106,19 +106,63 @@ class PositionHead(nn.Module):
         self.register_buffer("high", torch.tensor(high, dtype=torch.float32), persistent=False)
         self.net = nn.Sequential(nn.Linear(cond_dim, hidden), nn.Mish(), nn.Linear(hidden, 3 * points))
 
-    def predict(self, cond: torch.Tensor) -> torch.Tensor:
-        """cond (B, cond_dim) -> the positions (B, 3 points) in m."""
-        box = self.net(cond.float()).unflatten(-1, (self.points, 3))  # (B, points, 3) in box units
+    def box(self, cond: torch.Tensor) -> torch.Tensor:
+        """cond (B, cond_dim) -> the positions (B, points, 3) in box units."""
+        return self.net(cond.float()).unflatten(-1, (self.points, 3))
+
+    def metres(self, box: torch.Tensor) -> torch.Tensor:
+        """Positions (B, points, 3) in box units -> (B, 3 points) m."""
         return ((box + 1) / 2 * (self.high - self.low) + self.low).flatten(-2)
 
-    def forward(self, cond: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cond (B, cond_dim), target (B, 3 points) m -> (mean squared error in box units, mean error per
-        point (m) detached)."""
+    def box_loss(self, box: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predicted (B, points, 3) box units against ``target`` (B, 3 points) m -> (mean squared error in box
+        units, mean error per point (m) detached)."""
         span = self.high - self.low
-        pred = self.net(cond.float()).unflatten(-1, (self.points, 3))  # (B, points, 3) in box units
         goal = (target.float().unflatten(-1, (self.points, 3)) - self.low) / span * 2 - 1
-        error = ((pred.detach() - goal) * span / 2).norm(dim=-1).mean()
-        return F.mse_loss(pred, goal), error
+        error = ((box.detach() - goal) * span / 2).norm(dim=-1).mean()
+        return F.mse_loss(box, goal), error
+
+    def predict(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The head's inputs (here cond (B, cond_dim)) -> the positions (B, 3 points) in m."""
+        return self.metres(self.box(*inputs))
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's inputs then ``target`` (B, 3 points) m -> (mean squared error in box units, mean error
+        per point (m) detached)."""
+        *inputs, target = inputs
+        return self.box_loss(self.box(*inputs), target)
+
+
+class PointPositionHead(PositionHead):
+    """Per-point features (B, N, C) and the points' xyz (B, N, 3, box units) -> ``points`` positions, each the
+    expected xyz under a softmax over the cloud's points plus a learned offset (box units, zero at the start)
+    (``policy.encoder.position_head=points``).
+
+    A position is a weighted mean of points the camera saw, so on a new scene it moves with the object's
+    points instead of being regressed from a global feature that ten scenes let memorise them. The logit of
+    point i for position j is ``w_j . h_i``, plus ``<h_i, q_j(text)> / sqrt(C)`` with an instruction (the
+    point keypoints' text query); the offset covers a surface's depth (the camera sees one side)."""
+
+    def __init__(
+        self, channels: int, low: list[float], high: list[float], points: int = 1, text_dim: int = 0
+    ) -> None:
+        nn.Module.__init__(self)
+        self.points = points
+        self.register_buffer("low", torch.tensor(low, dtype=torch.float32), persistent=False)
+        self.register_buffer("high", torch.tensor(high, dtype=torch.float32), persistent=False)
+        self.logits = nn.Linear(channels, points)
+        self.text_query = nn.Linear(text_dim, points * channels) if text_dim else None
+        self.offset = nn.Parameter(torch.zeros(points, 3))
+
+    def box(self, h: torch.Tensor, xyz: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+        """h (B, N, C), xyz (B, N, 3) box units, text (B, text_dim) -> the positions (B, points, 3) in box
+        units."""
+        logits = self.logits(h).float()  # (B, N, points)
+        if self.text_query is not None:
+            q = self.text_query(text.to(h.dtype)).view(h.shape[0], self.points, -1)  # (B, points, C)
+            logits = logits + (h @ q.transpose(1, 2)).float() / h.shape[-1] ** 0.5
+        attn = torch.softmax(logits, dim=1)  # (B, N, points) over the points
+        return attn.transpose(1, 2) @ xyz.float() + self.offset  # (B, points, 3)
 
 
 class ObservationEncoder(nn.Module):
@@ -206,9 +250,23 @@ class ObservationEncoder(nn.Module):
             self.position_normalizer = MinMaxNormalizer(3 * k)
             """The positions as the condition reads them: the demonstrations' range of each coordinate,
             widened to at least :data:`POSITION_MIN_SPAN` (fitted with the other normalisers)."""
-            self.position_head = PositionHead(
-                cond_dim, cfg.workspace_low, cfg.workspace_high, POSITION_HIDDEN, points=k
-            )
+            self.position_source = cfg.position_head
+            """``fused``: the positions are regressed from the fused perception; ``points``: read off the point
+            cloud by :class:`PointPositionHead` (the other modalities then feed no position)."""
+            if cfg.position_head == "points":
+                if "points" not in self.encoders:
+                    raise ValueError(
+                        "policy.encoder.position_head=points needs the points modality (env.obs_mode=multimodal, "
+                        "use_points=true); use position_head=fused"
+                    )
+                self.position_head = PointPositionHead(
+                    cfg.point_channels[-1], cfg.workspace_low, cfg.workspace_high, points=k,
+                    text_dim=D if "points" in self.filmed else 0,
+                )  # fmt: skip
+            else:
+                self.position_head = PositionHead(
+                    cond_dim, cfg.workspace_low, cfg.workspace_high, POSITION_HIDDEN, points=k
+                )
             act_in = n_obs_steps * self.state_dim + 3 * k + (D if self.use_text else 0)
             self.act_head = nn.Sequential(
                 nn.Linear(act_in, POSITION_HIDDEN), nn.Mish(),
@@ -241,7 +299,7 @@ class ObservationEncoder(nn.Module):
         if not self.position_points:
             return self._fused(obs, augment, generator, q)
         if positions is None:
-            positions = self.position_head.predict(self._fused(obs, augment, generator, q))
+            positions = self.position_head.predict(*self._position_inputs(obs, augment, generator, q))
         elif positions.shape[-1] != 3 * self.position_points:
             raise ValueError(
                 f"positions have {positions.shape[-1]} values; the policy predicts {self.position_points} xyz"
@@ -252,7 +310,7 @@ class ObservationEncoder(nn.Module):
         self, obs: Mapping[str, Any], augment: bool = False, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         """Predict-then-act: the k positions perception reads, (B, 3 k) in m."""
-        return self.position_head.predict(self._fused(obs, augment, generator, self._text(obs)))
+        return self.position_head.predict(*self._position_inputs(obs, augment, generator, self._text(obs)))
 
     def position_loss(
         self,
@@ -264,7 +322,24 @@ class ObservationEncoder(nn.Module):
         """Predict-then-act: the prediction against the labelled positions ``target`` (B, 3 k) m -> (mean
         squared error in workspace-box units [-1, 1] (differentiable), mean distance per position in m
         (detached))."""
-        return self.position_head(self._fused(obs, augment, generator, self._text(obs)), target)
+        return self.position_head(*self._position_inputs(obs, augment, generator, self._text(obs)), target)
+
+    def _position_inputs(
+        self,
+        obs: Mapping[str, Any],
+        augment: bool,
+        generator: torch.Generator | None,
+        q: torch.Tensor | None,
+    ) -> tuple[Any, ...]:
+        """What the position head reads: the fused perception (B, cond_dim), or the latest cloud's per-point
+        features (B, N, C), its xyz in box units (B, N, 3) and the instruction's vector (B, D) or None."""
+        if self.position_source != "points":
+            return (self._fused(obs, augment, generator, q),)
+        B = self._batch(obs)
+        cloud = self._history("points", obs["points"], B)[:, -1]  # (B, N, 3 or 6): the latest step
+        text = q[:, 0] if q is not None and "points" in self.filmed else None
+        h, xyz = self.encoders["points"].point_features(cloud, text)
+        return h, xyz, text
 
     def _act_condition(
         self, obs: Mapping[str, Any], positions: torch.Tensor, q: torch.Tensor | None

@@ -72,6 +72,25 @@ class PointCloudEncoder(nn.Module):
 
     def forward(self, points: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         dtype = self.global_proj.weight.dtype
+        h, xyz = self.point_features(points, text)
+        tokens = [self.global_proj(h.amax(dim=1)).unsqueeze(1)]  # (M, 1, D)
+        if self.keypoints:
+            logits = self.keypoint_logits(h).float()  # (M, N, K)
+            if self.text_query is not None:
+                q = self.text_query(text.to(dtype)).view(h.shape[0], self.keypoints, -1)  # (M, K, C)
+                logits = logits + (h @ q.transpose(1, 2)).float() / h.shape[-1] ** 0.5  # + (M, N, K)
+            attn = torch.softmax(logits, dim=1)  # (M, N, K) over the points
+            kp = attn.transpose(1, 2) @ xyz  # (M, K, 3) expected normalised xyz
+            groups = kp.reshape(kp.shape[0], self.kp_tokens, -1)  # (M, n_kp_tokens, 3 K / n_kp_tokens)
+            tokens.append(self.kp_proj(groups.to(dtype)))
+        return torch.cat(tokens, dim=1) + self.token_embed  # (M, n_tokens, D)
+
+    def point_features(
+        self, points: torch.Tensor, text: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Points (M, N, 3 or 6) -> (per-point features (M, N, C), xyz in workspace-box units [-1, 1] (M, N, 3)):
+        the shared MLP's output, FiLM-modulated by ``text`` (M, text_dim) when the encoder reads it."""
+        dtype = self.global_proj.weight.dtype
         span = self.high - self.low
         xyz = (points[..., :3].float() - self.low) / span * 2 - 1  # (M, N, 3): the box -> [-1, 1]
         if points.shape[-1] >= 6:
@@ -89,14 +108,4 @@ class PointCloudEncoder(nn.Module):
                 scale, shift = self.text_film[i](text.to(dtype)).chunk(2, dim=-1)  # 2 x (M, C)
                 h = torch.addcmul(shift[:, None], h, 1.0 + scale[:, None])
             h = F.relu(h)  # (M, N, C)
-        tokens = [self.global_proj(h.amax(dim=1)).unsqueeze(1)]  # (M, 1, D)
-        if self.keypoints:
-            logits = self.keypoint_logits(h).float()  # (M, N, K)
-            if self.text_query is not None:
-                q = self.text_query(text.to(dtype)).view(h.shape[0], self.keypoints, -1)  # (M, K, C)
-                logits = logits + (h @ q.transpose(1, 2)).float() / h.shape[-1] ** 0.5  # + (M, N, K)
-            attn = torch.softmax(logits, dim=1)  # (M, N, K) over the points
-            kp = attn.transpose(1, 2) @ xyz  # (M, K, 3) expected normalised xyz
-            groups = kp.reshape(kp.shape[0], self.kp_tokens, -1)  # (M, n_kp_tokens, 3 K / n_kp_tokens)
-            tokens.append(self.kp_proj(groups.to(dtype)))
-        return torch.cat(tokens, dim=1) + self.token_embed  # (M, n_tokens, D)
+        return h, xyz
