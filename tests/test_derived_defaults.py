@@ -109,11 +109,16 @@ def test_an_environment_derives_per_observation_mode(compose) -> None:
 
 
 def test_metaworld_multimodal_predicts_then_acts(compose) -> None:
-    """Meta-World's multimodal policy reads predicted object and goal positions (the env labels both); its
-    state policy and the pick task's do not; a value set on the command line wins."""
+    """Meta-World's multimodal policy reads object and goal positions (the env labels both) predicted off
+    its point cloud; its state policy and the pick task's do not; a value set on the command line wins."""
     enc = lambda *o: compose("pretrain", list(o)).policy.encoder
     mm = compose("pretrain", ["env=metaworld", "env.task=push"])
     assert (mm.policy.encoder.predict_positions, mm.env.kwargs["label"]) == (2, "both")
+    assert mm.policy.encoder.position_head == "points"
+    assert enc("env.obs_mode=multimodal").position_head == "fused"
+    assert (
+        enc("env=metaworld", "env.task=push", "policy.encoder.position_head=fused").position_head == "fused"
+    )
     assert enc("env=metaworld", "env.task=push", "env.obs_mode=state").predict_positions == 0
     assert enc("env=metaworld", "env.task=push", "policy.encoder.predict_positions=0").predict_positions == 0
     assert enc("env.obs_mode=multimodal").predict_positions == 0 and enc().predict_positions == 0

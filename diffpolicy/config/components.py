@@ -139,7 +139,8 @@ class EncoderConfig:
     perception (every modality); ``points``: each a softmax-weighted mean of the point cloud's points plus a
     learned offset (:class:`diffpolicy.encoders.fusion.PointPositionHead`), so that it moves with the
     object's points on scenes the demonstrations never showed. Null: derived from the environment
-    (:data:`OBS_MODE_DEFAULTS`, :data:`ENV_DEFAULTS`): ``fused``."""
+    (:data:`OBS_MODE_DEFAULTS`, :data:`ENV_DEFAULTS`): ``points`` for Meta-World's multimodal policy, else
+    ``fused``."""
     position_noise: float = 0.01
     """Predict-then-act: std (m, per axis) of the Gaussian error added to the labelled positions the
     condition is trained on, about what perception misses on new scenes (docs/experiments.md, 2026-12-02)."""
