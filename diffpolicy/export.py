@@ -135,7 +135,7 @@ class SamplerGraph(nn.Module):
             raise ValueError("only diffusion policies can be exported (policy.kind=diffusion)")
         self.policy = policy
         enc = policy.obs_encoder
-        self.tensor_keys = [k for k in obs_shapes if k != "instruction" and k in enc.encoders]
+        self.tensor_keys = [k for k in obs_shapes if k in enc.acting_keys]
         self.use_text = bool(enc.use_text)
         self.deterministic = deterministic
         self.output_cond = output_cond

@@ -182,12 +182,14 @@ def test_export_entry_point(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: no checkpoint")
 
 
-def test_predict_then_act_policy_exports_with_parity(tmp_path):
-    """policy.encoder.predict_positions: the graph runs perception, the position head and the condition MLP
-    as the module does (acting reads the prediction)."""
+@pytest.mark.parametrize("head", ["fused", "points"])
+def test_predict_then_act_policy_exports_with_parity(tmp_path, head):
+    """policy.encoder.predict_positions: the graph runs perception, the position head (on the fused features
+    or on the cloud's points) and the condition MLP as the module does (acting reads the prediction)."""
     shapes = {"rgb": [16, 16, 3], "points": [64, 3], "state": [5], "instruction": None}
     cfg = _tiny_cfg()
-    cfg = dataclasses.replace(cfg, encoder=dataclasses.replace(cfg.encoder, predict_positions=2))
+    enc = dataclasses.replace(cfg.encoder, predict_positions=2, position_head=head)
+    cfg = dataclasses.replace(cfg, encoder=enc)
     policy = _policy(cfg, shapes)
     policy.fit_normalizers(positions=torch.rand(64, 6) * 0.3)
     path = tmp_path / "policy.onnx"

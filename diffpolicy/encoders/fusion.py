@@ -274,6 +274,18 @@ class ObservationEncoder(nn.Module):
                 nn.Linear(POSITION_HIDDEN, cond_dim),
             )  # fmt: skip
 
+    @property
+    def acting_keys(self) -> list[str]:
+        """The observation tensors acting reads: every modality's, plus proprioception where predict-then-act's
+        condition reads it; with positions off the point cloud, the cloud and proprioception alone."""
+        keys = list(self.modalities)
+        if self.position_points:
+            if self.position_source == "points":
+                keys = ["points"]
+            if self.state_dim and "state" not in keys:
+                keys.append("state")
+        return keys
+
     def _ckpt(self, fn: Any, *args: Any) -> torch.Tensor:
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
             return checkpoint(fn, *args, use_reentrant=False)
@@ -335,8 +347,9 @@ class ObservationEncoder(nn.Module):
         features (B, N, C), its xyz in box units (B, N, 3) and the instruction's vector (B, D) or None."""
         if self.position_source != "points":
             return (self._fused(obs, augment, generator, q),)
-        B = self._batch(obs)
-        cloud = self._history("points", obs["points"], B)[:, -1]  # (B, N, 3 or 6): the latest step
+        if "points" not in obs:
+            raise KeyError("observation lacks ['points'] that this policy reads its positions from")
+        cloud = self._history("points", obs["points"], obs["points"].shape[0])[:, -1]  # (B, N, 3|6): latest
         text = q[:, 0] if q is not None and "points" in self.filmed else None
         h, xyz = self.encoders["points"].point_features(cloud, text)
         return h, xyz, text
