@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diffpolicy import checkpoint
 from diffpolicy.bc import bc_key, behaviour_cloning, publish
 from diffpolicy.cli import launch
 from diffpolicy.config import PretrainConfig, SamplingConfig
@@ -32,20 +33,22 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
     runtime = Runtime.from_config(cfg.device)
     summary: dict[str, Any] = {}
     with Logger(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress) as logger:
-        demos, made = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir, logger.progress)
-        summary["demos_imported" if cfg.bc.demos else "demos_collected"] = made
+        # the settings `diffpolicy.train` would pre-train with: the result is shared through this cache entry
+        cached = Path(cfg.cache_dir) / "bc" / bc_key(cfg.env, cfg.policy, cfg.bc, cfg.seed)
+        if cfg.reuse_cache and checkpoint.exists(cached):
+            policy, metrics, demos = reused(cached, runtime)
+            summary["reused"] = str(checkpoint.resolve(cached))
+        else:
+            demos, made = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir, logger.progress)
+            summary["demos_imported" if cfg.bc.demos else "demos_collected"] = made
+            # the run's checkpoints carry the protocol its figures are judged under, so evaluate says the same
+            policy, metrics = behaviour_cloning(
+                cfg.env, cfg.policy, cfg.bc, demos, runtime, logger, run_dir, cfg.seed,
+                extra={"protocol": protocol_of(cfg)},
+            )  # fmt: skip
+            summary["cached"] = str(publish(policy, cfg.env, cfg.policy, cached, metrics, demos))
         summary["demos"] = str(demos)
-        # the run's checkpoints carry the protocol its figures are judged under, so evaluate says the same
-        policy, metrics = behaviour_cloning(
-            cfg.env, cfg.policy, cfg.bc, demos, runtime, logger, run_dir, cfg.seed,
-            extra={"protocol": protocol_of(cfg)},
-        )  # fmt: skip
         summary["protocol"] = protocol_of(cfg)
-        # the settings `diffpolicy.train` would pre-train with: share the result
-        key = bc_key(cfg.env, cfg.policy, cfg.bc, cfg.seed)
-        summary["cached"] = str(
-            publish(policy, cfg.env, cfg.policy, Path(cfg.cache_dir) / "bc" / key, metrics, demos)
-        )
         if isinstance(cfg.algo, SamplingConfig):  # judged as train judges it: with the learner's sampling
             policy.set_sampling(**cfg.algo.sampling())
         if cfg.eval_episodes > 0:
@@ -79,9 +82,11 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
                 "first_seed": cfg.val_seed,
                 "failures": val.failures() if val.reports_success else None,
             }
-    curve = plot_curve(
-        run_dir / "metrics.jsonl", "losses/bc", run_dir / "bc_loss.png", title="behaviour cloning"
-    )
+    curve = None
+    if (run_dir / "metrics.jsonl").is_file() and "reused" not in summary:
+        curve = plot_curve(
+            run_dir / "metrics.jsonl", "losses/bc", run_dir / "bc_loss.png", title="behaviour cloning"
+        )
     return {
         "final_loss": metrics["final_loss"],
         "checkpoint": metrics["checkpoint"],
@@ -89,10 +94,29 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
         "condition_gap": metrics["condition_gap"],
         "steps": metrics["steps"],
         "s_per_step": metrics["s_per_step"],
-        "curve": str(curve),
+        "curve": None if curve is None else str(curve),
         **summary,
         "wall_time_s": round(time.perf_counter() - t0, 2),
     }
+
+
+def reused(root: Path, runtime: Runtime) -> tuple[Any, dict[str, Any], Path]:
+    """The cached BC policy at ``root`` on ``runtime``'s device, the training figures of the run that wrote it
+    (its ``summary.json``, beside the checkpoints it names as its source; None where that run is gone) and
+    its demonstrations."""
+    import json
+
+    from diffpolicy.policy_io import load_policy
+
+    policy, _, ckpt = load_policy(checkpoint.resolve(root), runtime.device)
+    source = Path(ckpt.extra.get("source", ""))
+    run = source.parent.parent if source.name else None
+    found = json.loads((run / "summary.json").read_text()) if run and (run / "summary.json").is_file() else {}
+    fields = ("final_loss", "epochs", "condition_gap", "steps", "s_per_step")
+    metrics = {k: found.get(k) for k in fields}
+    metrics["steps"] = metrics["steps"] if metrics["steps"] is not None else ckpt.step
+    metrics["checkpoint"] = str(source) if source.name else str(checkpoint.resolve(root))
+    return policy, metrics, Path(ckpt.extra.get("demos", ""))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ published figure, BC wall time) is printed last:
 
     python scripts/metaworld_bc_table.py --tasks assembly box-close --out runs/metaworld_bc.jsonl
 
+With the override ``reuse_cache=true`` a task whose BC the cache already holds (an earlier ``pretrain`` or
+``train`` with the same settings) is evaluated without training again; its row reports that run's training
+figures.
+
 DP3 reports the mean of the 5 best of 20 evaluations (20 episodes each) over 3 seeds: optimistic; a row here
 is one final evaluation of one seed.
 """

@@ -313,6 +313,19 @@ def test_pretrain_cli(tmp_path):
     # pretrain's default learner (filtered_bc) judges noise-free; its checkpoints say so, for evaluate
     assert summary["protocol"] == "noise_free"
     assert checkpoint.load(summary["checkpoint"]).extra["protocol"] == "noise_free"
+    # reuse_cache: the same settings again evaluate the cached policy, reporting its run's training figures;
+    # without it pretrain trains again
+    again = [*args[:-1], f"hydra.run.dir={tmp_path / 'again'}", "reuse_cache=true", "eval_episodes=4"]
+    proc = subprocess.run([sys.executable, "-m", "diffpolicy.pretrain", *again], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reused = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert reused["reused"] == str(checkpoint.resolve(summary["cached"]))
+    assert (reused["checkpoint"], reused["steps"], reused["final_loss"]) == (
+        summary["checkpoint"], summary["steps"], summary["final_loss"],
+    )  # fmt: skip
+    assert reused["eval_episodes"] == 4 and "demos_collected" not in reused and reused["curve"] is None
+    assert not (tmp_path / "again" / "checkpoints").exists()
 
 
 def test_bimodal_benchmark_wiring(tmp_path):

@@ -187,6 +187,10 @@ class PretrainConfig:
     """The same as ``bc.demos`` (which ``train`` shares), kept for older command lines."""
     cache_dir: str = ""
     """Where demonstrations are cached between runs ('' = $DIFFPOLICY_CACHE, else runs/cache)."""
+    reuse_cache: bool = False
+    """Where the BC cache already holds a policy cloned with these settings (an earlier ``pretrain`` or
+    ``train``), evaluate that one instead of training again (as ``train`` does); the summary then names it
+    (``reused``) and reports its run's training figures."""
     eval_episodes: int = 0
     """Test episodes evaluated after training (0 skips them): the reported figure."""
     eval_seed: int = TEST_SEED
