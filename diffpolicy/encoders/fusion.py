@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from diffpolicy.config import EncoderConfig
-from diffpolicy.encoders.pointcloud import PointCloudEncoder
+from diffpolicy.encoders.pointcloud import PointCloudEncoder, attend_points
 from diffpolicy.encoders.rgb import RGBEncoder
 from diffpolicy.encoders.text import TextEncoder
 from diffpolicy.modalities import MODALITIES, TENSOR_KEYS
@@ -92,23 +92,19 @@ POSITION_MIN_SPAN = 0.05
 barely vary (a goal's height) would otherwise turn a millimetre of perception error into whole units."""
 
 
-class PositionHead(nn.Module):
-    """The condition (B, cond_dim) -> ``points`` xyz positions, regressed in the workspace box's units (each
-    coordinate scaled from ``low`` .. ``high`` (m) to [-1, 1]): BC's auxiliary head, and predict-then-act's
-    position head inside the encoder (``policy.encoder.position_head=fused``)."""
+class _BoxPositions(nn.Module):
+    """``points`` xyz positions predicted in the workspace box's units (each coordinate scaled from ``low`` ..
+    ``high`` (m) to [-1, 1]); subclasses say from what (:meth:`box`)."""
 
-    def __init__(
-        self, cond_dim: int, low: list[float], high: list[float], hidden: int = 256, points: int = 1
-    ) -> None:
+    def __init__(self, low: list[float], high: list[float], points: int) -> None:
         super().__init__()
         self.points = points
         self.register_buffer("low", torch.tensor(low, dtype=torch.float32), persistent=False)
         self.register_buffer("high", torch.tensor(high, dtype=torch.float32), persistent=False)
-        self.net = nn.Sequential(nn.Linear(cond_dim, hidden), nn.Mish(), nn.Linear(hidden, 3 * points))
 
-    def box(self, cond: torch.Tensor) -> torch.Tensor:
-        """cond (B, cond_dim) -> the positions (B, points, 3) in box units."""
-        return self.net(cond.float()).unflatten(-1, (self.points, 3))
+    def box(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The head's inputs -> the positions (B, points, 3) in box units."""
+        raise NotImplementedError
 
     def metres(self, box: torch.Tensor) -> torch.Tensor:
         """Positions (B, points, 3) in box units -> (B, 3 points) m."""
@@ -123,7 +119,7 @@ class PositionHead(nn.Module):
         return F.mse_loss(box, goal), error
 
     def predict(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """The head's inputs (here cond (B, cond_dim)) -> the positions (B, 3 points) in m."""
+        """The head's inputs -> the positions (B, 3 points) in m."""
         return self.metres(self.box(*inputs))
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,23 +129,35 @@ class PositionHead(nn.Module):
         return self.box_loss(self.box(*inputs), target)
 
 
-class PointPositionHead(PositionHead):
+class PositionHead(_BoxPositions):
+    """The condition (B, cond_dim) -> ``points`` xyz positions, regressed in box units: BC's auxiliary head,
+    and predict-then-act's position head inside the encoder (``policy.encoder.position_head=fused``)."""
+
+    def __init__(
+        self, cond_dim: int, low: list[float], high: list[float], hidden: int = 256, points: int = 1
+    ) -> None:
+        super().__init__(low, high, points)
+        self.net = nn.Sequential(nn.Linear(cond_dim, hidden), nn.Mish(), nn.Linear(hidden, 3 * points))
+
+    def box(self, cond: torch.Tensor) -> torch.Tensor:
+        """cond (B, cond_dim) -> the positions (B, points, 3) in box units."""
+        return self.net(cond.float()).unflatten(-1, (self.points, 3))
+
+
+class PointPositionHead(_BoxPositions):
     """Per-point features (B, N, C) and the points' xyz (B, N, 3, box units) -> ``points`` positions, each the
     expected xyz under a softmax over the cloud's points plus a learned offset (box units, zero at the start)
     (``policy.encoder.position_head=points``).
 
     A position is a weighted mean of points the camera saw, so on a new scene it moves with the object's
-    points instead of being regressed from a global feature that ten scenes let memorise them. The logit of
-    point i for position j is ``w_j . h_i``, plus ``<h_i, q_j(text)> / sqrt(C)`` with an instruction (the
-    point keypoints' text query); the offset covers a surface's depth (the camera sees one side)."""
+    points instead of being regressed from a global feature that ten scenes let memorise them. The logits are
+    the point keypoints' (:func:`~diffpolicy.encoders.pointcloud.attend_points`: a linear map of each point's
+    features, plus the instruction's query); the offset covers a surface's depth (the camera sees one side)."""
 
     def __init__(
         self, channels: int, low: list[float], high: list[float], points: int = 1, text_dim: int = 0
     ) -> None:
-        nn.Module.__init__(self)
-        self.points = points
-        self.register_buffer("low", torch.tensor(low, dtype=torch.float32), persistent=False)
-        self.register_buffer("high", torch.tensor(high, dtype=torch.float32), persistent=False)
+        super().__init__(low, high, points)
         self.logits = nn.Linear(channels, points)
         self.text_query = nn.Linear(text_dim, points * channels) if text_dim else None
         self.offset = nn.Parameter(torch.zeros(points, 3))
@@ -157,12 +165,7 @@ class PointPositionHead(PositionHead):
     def box(self, h: torch.Tensor, xyz: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         """h (B, N, C), xyz (B, N, 3) box units, text (B, text_dim) -> the positions (B, points, 3) in box
         units."""
-        logits = self.logits(h).float()  # (B, N, points)
-        if self.text_query is not None:
-            q = self.text_query(text.to(h.dtype)).view(h.shape[0], self.points, -1)  # (B, points, C)
-            logits = logits + (h @ q.transpose(1, 2)).float() / h.shape[-1] ** 0.5
-        attn = torch.softmax(logits, dim=1)  # (B, N, points) over the points
-        return attn.transpose(1, 2) @ xyz.float() + self.offset  # (B, points, 3)
+        return attend_points(h, xyz, self.logits, self.text_query, text) + self.offset
 
 
 class ObservationEncoder(nn.Module):

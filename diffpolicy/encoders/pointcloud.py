@@ -75,12 +75,7 @@ class PointCloudEncoder(nn.Module):
         h, xyz = self.point_features(points, text)
         tokens = [self.global_proj(h.amax(dim=1)).unsqueeze(1)]  # (M, 1, D)
         if self.keypoints:
-            logits = self.keypoint_logits(h).float()  # (M, N, K)
-            if self.text_query is not None:
-                q = self.text_query(text.to(dtype)).view(h.shape[0], self.keypoints, -1)  # (M, K, C)
-                logits = logits + (h @ q.transpose(1, 2)).float() / h.shape[-1] ** 0.5  # + (M, N, K)
-            attn = torch.softmax(logits, dim=1)  # (M, N, K) over the points
-            kp = attn.transpose(1, 2) @ xyz  # (M, K, 3) expected normalised xyz
+            kp = attend_points(h, xyz, self.keypoint_logits, self.text_query, text)  # (M, K, 3) normalised
             groups = kp.reshape(kp.shape[0], self.kp_tokens, -1)  # (M, n_kp_tokens, 3 K / n_kp_tokens)
             tokens.append(self.kp_proj(groups.to(dtype)))
         return torch.cat(tokens, dim=1) + self.token_embed  # (M, n_tokens, D)
@@ -109,3 +104,18 @@ class PointCloudEncoder(nn.Module):
                 h = torch.addcmul(shift[:, None], h, 1.0 + scale[:, None])
             h = F.relu(h)  # (M, N, C)
         return h, xyz
+
+
+def attend_points(
+    h: torch.Tensor, xyz: torch.Tensor, logits: nn.Linear, query: nn.Linear | None, text: torch.Tensor | None
+) -> torch.Tensor:
+    """Point attention: per-point features h (M, N, C), xyz (M, N, 3) -> K expected positions (M, K, 3), each
+    under a softmax over the points of ``logits(h)`` (K outputs) plus, with a ``query`` (text_dim -> K C),
+    the bilinear term ``<h_i, q_k(text)> / sqrt(C)``, so a position can land on the points the instruction
+    names (float32 logits and softmax)."""
+    scores = logits(h).float()  # (M, N, K)
+    if query is not None:
+        q = query(text.to(query.weight.dtype)).view(h.shape[0], scores.shape[-1], -1)  # (M, K, C)
+        scores = scores + (h @ q.transpose(1, 2)).float() / h.shape[-1] ** 0.5
+    attn = torch.softmax(scores, dim=1)  # (M, N, K) over the points
+    return attn.transpose(1, 2) @ xyz.float()

@@ -250,9 +250,10 @@ class FilteredBCLearner(PolicyLearner):
             for group in self.optim.param_groups:
                 group["lr"] = algo.lr * min(1.0, (k + 1) / warmup)
             idx = torch.randint(0, n_demo + n_kept, (batch,), generator=gen)
-            demo_obs, demo_actions = self.demos.batch(idx[idx < n_demo], device)
+            demo_idx = idx[idx < n_demo]
+            demo_obs, demo_actions = self.demos.batch(demo_idx, device)
             if self.labelled:
-                demo_obs[TARGET_KEY] = self.demos.target(idx[idx < n_demo], device)[:, None]  # (b, 1, 3 k)
+                demo_obs[TARGET_KEY] = self.demos.target(demo_idx, device)[:, None]  # (b, 1, 3 k)
             parts = [(demo_obs, demo_actions)]
             if n_kept:
                 parts.append(self.kept.batch(idx[idx >= n_demo] - n_demo, device))
