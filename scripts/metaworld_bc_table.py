@@ -8,6 +8,7 @@ interrupted table resumes where it stopped; the Markdown table (success with its
 published figure, BC wall time) is printed last:
 
     python scripts/metaworld_bc_table.py --tasks assembly box-close --out runs/metaworld_bc.jsonl
+    python scripts/metaworld_bc_table.py device.threads=1 --test 0 --tasks push  # overrides before --tasks
 
 With the override ``reuse_cache=true`` a task whose BC the cache already holds (an earlier ``pretrain`` or
 ``train`` with the same settings) is evaluated without training again; its row reports that run's training
@@ -42,11 +43,11 @@ PUBLISHED = {
 """DP3's published success (%, 10 demonstrations, DP3 Table XVIII) on the ten tasks the table compares."""
 
 
-def run_task(task: str, mode: str, test: int, val: int, cache: str, extra: list[str]) -> dict:
-    """One pretrain run of ``task`` in observation mode ``mode``; its summary plus the task's name."""
+def run_task(task: str, mode: str, test: int, val: int, cache: str, runs: str, extra: list[str]) -> dict:
+    """One pretrain run of ``task`` in observation mode ``mode`` under ``runs``; its summary plus the task's name."""
     cmd = [sys.executable, "-m", "diffpolicy.pretrain", "env=metaworld", f"env.task={task}",
            f"env.obs_mode={mode}", f"eval_episodes={test}", f"val_episodes={val}", "log.progress=false",
-           f"cache_dir={cache}", f"hydra.run.dir=runs/metaworld_bc/{task}-{mode}", *extra]  # fmt: skip
+           f"cache_dir={cache}", f"hydra.run.dir={runs}/{task}-{mode}", *extra]  # fmt: skip
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
@@ -60,12 +61,13 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         dp3 = PUBLISHED.get(r["task"])
+        test = r.get("success_rate")
         ci = r.get("success_ci") or [None, None]
         val = (r.get("val") or {}).get("success_rate")
         failures = ", ".join(f"{n} {k}" for k, n in (r.get("failures") or {}).items())
         lines.append(
-            f"| {r['task']} | {r.get('obs_mode', 'multimodal')} | {r['success_rate']:.2f} | "
-            f"[{ci[0]:.2f}, {ci[1]:.2f}] | {'' if val is None else f'{val:.2f}'} | {dp3} | {failures} | "
+            f"| {r['task']} | {r.get('obs_mode', 'multimodal')} | {'' if test is None else f'{test:.2f}'} | "
+            f"{'' if ci[0] is None else f'[{ci[0]:.2f}, {ci[1]:.2f}]'} | {'' if val is None else f'{val:.2f}'} | {dp3} | {failures} | "
             f"{r['steps']} | {r['steps'] * r['s_per_step'] / 60:.1f} | {r['total_s'] / 60:.1f} |"
         )
     return "\n".join(lines)
@@ -74,7 +76,9 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", nargs="+", default=list(PUBLISHED))
-    p.add_argument("--test", type=int, default=100, help="test episodes per task")
+    p.add_argument(
+        "--test", type=int, default=100, help="test episodes per task (0: validation only, for a choice)"
+    )
     p.add_argument("--val", type=int, default=50, help="validation episodes per task")
     p.add_argument(
         "--obs-mode",
@@ -84,26 +88,34 @@ def main() -> None:
     )
     p.add_argument("--out", default="runs/metaworld_bc.jsonl")
     p.add_argument("--cache", default=os.environ.get("DIFFPOLICY_CACHE", "runs/cache"))
+    p.add_argument("--runs", default="runs/metaworld_bc", help="folder of the tasks' run directories")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every task (the same for all)")
     args = p.parse_args()
+    if stray := [t for t in args.tasks if "=" in t]:
+        raise SystemExit(f"error: {' '.join(stray)} read as task names: put Hydra overrides before --tasks")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows_read = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
     done = {(r["task"], r.get("obs_mode", "multimodal")): r for r in rows_read}
     for task in args.tasks:
         if (task, args.obs_mode) not in done:
-            row = run_task(task, args.obs_mode, args.test, args.val, args.cache, args.overrides)
+            row = run_task(task, args.obs_mode, args.test, args.val, args.cache, args.runs, args.overrides)
             done[task, args.obs_mode] = row
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"{task} ({args.obs_mode}): {row['success_rate']:.2f}", flush=True)
+            print(f"{task} ({args.obs_mode}): test {row.get('success_rate')}, "
+                  f"val {(row.get('val') or {}).get('success_rate')}", flush=True)  # fmt: skip
     rows = [done[t, args.obs_mode] for t in args.tasks]
     print(table(rows))
-    ours = [r["success_rate"] * 100 for r in rows]
     theirs = [PUBLISHED[t] for t in args.tasks if t in PUBLISHED]
-    print(json.dumps({"tasks": args.tasks, "mean_ours": round(sum(ours) / len(ours), 1),
-                      "mean_dp3": round(sum(theirs) / max(len(theirs), 1), 1),
-                      "at_or_above_dp3": sum(r["success_rate"] * 100 >= PUBLISHED.get(r["task"], 101) for r in rows)}))  # fmt: skip
+    means = {"tasks": args.tasks, "mean_dp3": round(sum(theirs) / max(len(theirs), 1), 1)}
+    val = [(r.get("val") or {}).get("success_rate") for r in rows]
+    if None not in val:
+        means["mean_val"] = round(100 * sum(val) / len(val), 1)
+    if all("success_rate" in r for r in rows):
+        means["mean_ours"] = round(sum(r["success_rate"] * 100 for r in rows) / len(rows), 1)
+        means["at_or_above_dp3"] = sum(r["success_rate"] * 100 >= PUBLISHED.get(r["task"], 101) for r in rows)
+    print(json.dumps(means))
 
 
 if __name__ == "__main__":
