@@ -225,11 +225,12 @@ def test_validation_and_test_seeds_are_disjoint_ranges() -> None:
     [
         ("train", [], "mujoco_pick-unet_small-87a7f07a1c9a", "mujoco_pick-3950fa1e0ea9"),
         ("train", ["env=hopper"], "hopper-mlp-926eaa4d1a85", "hopper-1b540eca6e9d"),  # 35: D4RL-like actor
-        # 33: Meta-World's label became both positions, its multimodal policy predicts then acts off the points
-        ("pretrain", ["env=metaworld", "env.task=coffee-push"], "metaworld-unet_small-184600a07aea",
-         "metaworld-f215cc46e42f"),
+        # 33: Meta-World's cloud is cropped to the hand's reach (env.kwargs.point_box: reach; the env's kwargs
+        # enter both keys, the state policy's too)
+        ("pretrain", ["env=metaworld", "env.task=coffee-push"], "metaworld-unet_small-10ae06fcb2be",
+         "metaworld-8d3e0886785a"),
         ("pretrain", ["env=metaworld", "env.task=assembly", "env.obs_mode=state"],
-         "metaworld-unet_small-64d5a8d41c18", "metaworld-2bd5cc80e169"),
+         "metaworld-unet_small-2a3ad1c02e65", "metaworld-2a7f1fd00c8a"),
     ],
 )  # fmt: skip
 def test_cache_keys_are_pinned(name: str, overrides: list[str], bc: str, demos: str, compose) -> None:

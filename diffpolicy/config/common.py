@@ -150,7 +150,8 @@ policy generalises (0.94); and predict-then-act on the object's and the goal's p
 2026-12-03: 0.12 -> 0.48 and 0.08 -> 0.28), since the fused perception let the denoiser key its actions on a
 scene's look, the positions read off the point cloud (``position_head: points``: push 0.48 -> 0.61, its
 puck located to 0.7 cm instead of 2.4 on new scenes; shelf-place 0.28 -> 0.17 with perception as precise,
-0.5 cm; half the BC step's time)."""
+0.5 cm; half the BC step's time). The cloud itself is cropped to the hand's reach in conf/env/metaworld.yaml
+(``env.kwargs.point_box: reach``, inside this workspace: validation mean over DP3's ten tasks 0.53 -> 0.56)."""
 
 
 def _derive_state_defaults(cfg: Any, prefix: str) -> None:
