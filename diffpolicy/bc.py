@@ -224,11 +224,23 @@ def training_batch(
     and y by up to ``bc.translate`` (one offset per window, drawn from ``gen``) when that is > 0."""
     obs, actions = data.batch(idx, device)
     target = data.target(idx, device) if with_target else None
-    if bc_cfg.translate > 0:  # the same actions from a scene shifted in x and y
-        offset = torch.zeros(len(idx), 3)
-        offset[:, :2] = (torch.rand(len(idx), 2, generator=gen) * 2 - 1) * bc_cfg.translate
-        obs, target = translate_scene(obs, target, offset.to(device), bc_cfg.translate_state)
+    obs, target = shifted_scenes(obs, target, bc_cfg, gen)
     return obs, actions, target
+
+
+def shifted_scenes(
+    obs: dict[str, Any], target: torch.Tensor | None, bc_cfg: BCConfig, gen: torch.Generator
+) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """BC's scene augmentation of a batch of B windows: each seen from a scene shifted in x and y by up to
+    ``bc.translate`` m (one uniform offset per window, drawn from ``gen``; :func:`translate_scene`); the
+    batch as it was when ``bc.translate`` is 0. Every continuation of BC trains through it, so that it keeps
+    the invariance BC was given."""
+    if bc_cfg.translate <= 0:
+        return obs, target
+    ref = obs["points"] if "points" in obs else next(v for v in obs.values() if isinstance(v, torch.Tensor))
+    offset = torch.zeros(len(ref), 3)
+    offset[:, :2] = (torch.rand(len(ref), 2, generator=gen) * 2 - 1) * bc_cfg.translate
+    return translate_scene(obs, target, offset.to(ref.device), bc_cfg.translate_state)
 
 
 def bc_losses(

@@ -80,6 +80,11 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     policy, env_cfg, ckpt = load_policy(cfg.checkpoint, runtime.device, env_overrides=overrides)
     if cfg.env_kwargs:
         env_cfg = dataclasses.replace(env_cfg, kwargs={**env_cfg.kwargs, **cfg.env_kwargs})
+    if cfg.n_action_steps is not None:
+        room = policy.horizon - policy.n_obs_steps + 1  # a chunk's rows from the current observation on
+        if cfg.n_action_steps > room:
+            raise ValueError(f"n_action_steps={cfg.n_action_steps} exceeds the {room} rows a chunk has to execute")
+        policy.n_action_steps = cfg.n_action_steps
     deterministic, protocol, source = sampling_protocol(ckpt, cfg.deterministic, cfg.protocol)
     apply_protocol(policy, protocol)
     runtime.manual_seed(cfg.eval_seed)
@@ -111,6 +116,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "protocol": protocol,
         "protocol_from": source,
         **({"env_kwargs": dict(cfg.env_kwargs)} if cfg.env_kwargs else {}),  # changed for this evaluation
+        **({"n_action_steps": cfg.n_action_steps} if cfg.n_action_steps is not None else {}),
     }
     if cfg.reachability_tries > 0:
         failed_at = [i for i, ok in enumerate(result.successes) if not ok]

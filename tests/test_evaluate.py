@@ -315,3 +315,25 @@ def test_env_kwargs_change_the_environment_for_this_evaluation_only(tmp_path):
     assert "env_kwargs" not in plain and changed["env_kwargs"] == {"reward_weights": weights}
     assert plain["mean_return"] != 0.0 and changed["mean_return"] == 0.0
     assert "reward_weights" not in checkpoint.load(root).config["env"]["kwargs"]
+
+
+def test_n_action_steps_replans_more_often_for_this_evaluation_only(tmp_path, act_calls):
+    """``n_action_steps`` executes fewer actions of each chunk: the same episodes take more decisions (about
+    8 / 2 = 4x), the summary records the value, the checkpoint keeps its own, and more rows than a chunk has
+    fail in one line."""
+    from diffpolicy import checkpoint, evaluate
+
+    root = tmp_path / "checkpoints"
+    save_policy(root, 5, _small_policy(), env_cfg=REACH, policy_cfg=SMALL, extra={"protocol": "noise_free"})
+    cfg = EvaluateConfig(checkpoint=str(root), n_episodes=2, num_envs=2, video_episodes=0)
+    plain = evaluate.main(cfg, tmp_path / "a")
+    n_plain = len(act_calls)
+    changed = evaluate.main(EvaluateConfig(**{**cfg.__dict__, "n_action_steps": 2}), tmp_path / "b")
+    n_changed = len(act_calls) - n_plain
+    assert "n_action_steps" not in plain and changed["n_action_steps"] == 2
+    assert n_changed >= 3 * n_plain, (n_plain, n_changed)
+    assert checkpoint.load(root).config["policy"]["n_action_steps"] == 8
+    with pytest.raises(ValueError, match="exceeds the 16 rows"):
+        evaluate.main(EvaluateConfig(**{**cfg.__dict__, "n_action_steps": 17}), tmp_path / "c")
+    with pytest.raises(ValueError, match="n_action_steps"):
+        EvaluateConfig(checkpoint=str(root), n_action_steps=0)

@@ -247,7 +247,7 @@ def test_bc_step_benchmark_reports_each_batch_against_the_reference() -> None:
 
 
 # ------------------------------------------------------------------------------- direction of each update
-def _tiny_policy(ft_steps: int = 3):
+def _tiny_policy(ft_steps: int = 3, state_dim: int = 5):
     from diffpolicy.config import EncoderConfig, PolicyConfig
     from diffpolicy.policies import make_policy
 
@@ -255,9 +255,9 @@ def _tiny_policy(ft_steps: int = 3):
     cfg = PolicyConfig(encoder=enc, cond_dim=16, down_dims=[16, 32], n_groups=4, step_embed_dim=16, horizon=8,
                        n_action_steps=4, train_timesteps=50, ddim_steps=5)  # fmt: skip
     torch.manual_seed(0)
-    policy = make_policy(cfg, {"state": (5,)}, 2, text_backend="hash")
+    policy = make_policy(cfg, {"state": (state_dim,)}, 2, text_backend="hash")
     policy.set_sampling(ft_steps=ft_steps, eta=1.0, min_std=0.05, freeze=False)
-    policy.fit_normalizers(actions=torch.rand(64, 2) * 2 - 1, state=torch.rand(64, 5) * 2 - 1)
+    policy.fit_normalizers(actions=torch.rand(64, 2) * 2 - 1, state=torch.rand(64, state_dim) * 2 - 1)
     return policy
 
 
@@ -284,7 +284,7 @@ def test_a_filtered_round_moves_the_policy_toward_the_kept_episode_not_the_faile
     s0 = np.full(5, 0.3, np.float32)
     learner = object.__new__(FilteredBCLearner)
     learner.cfg = SimpleNamespace(algo=FilteredBCConfig(bc_steps=150, lr=3e-3, batch_size=16, keep="success"),
-                                  bc=SimpleNamespace(batch_size=16, ema_decay=0.9))  # fmt: skip
+                                  bc=SimpleNamespace(batch_size=16, ema_decay=0.9, translate=0.0))  # fmt: skip
     learner.rt, learner.info, learner.logger = _runtime(), DistInfo(), None
     learner.policy, learner.model = policy.eval(), copy.deepcopy(policy).train()
     learner.params = [p for p in learner.model.parameters() if p.requires_grad]
@@ -354,3 +354,52 @@ def test_the_fpo_update_makes_positive_advantage_chunks_likelier_than_negative_o
     gap = _fpo_fell(adv) - _fpo_fell(-adv)  # (T, N)
     assert (torch.sign(gap - gap.mean()) == adv).all(), gap
     assert (gap * adv).sum() > 0
+
+
+@pytest.mark.parametrize("translate", [0.0, 0.1])
+def test_the_continuation_sees_the_scenes_shifted_as_bc_saw_them(translate: float) -> None:
+    """bc.translate: every window the continuation trains on (demonstration and kept alike) is seen from a
+    scene shifted in x and y by its own offset within +-translate, z unshifted, the actions unchanged, as BC
+    trains (the continuation would otherwise fit the demonstrations' few placements again); with 0, as
+    stored."""
+    import copy
+    from types import SimpleNamespace
+
+    from diffpolicy.config import FilteredBCConfig
+    from diffpolicy.distributed import DistInfo
+    from diffpolicy.rl.filtered_bc import FilteredBCLearner
+
+    policy = _tiny_policy(state_dim=6)  # two xyz triples, as a proprioception token the shift moves
+    s0 = np.array([0.1, 0.2, 0.3, -0.1, -0.2, -0.3], np.float32)
+    learner = object.__new__(FilteredBCLearner)
+    learner.cfg = SimpleNamespace(algo=FilteredBCConfig(bc_steps=3, lr=1e-3, batch_size=32, keep="success"),
+                                  bc=SimpleNamespace(batch_size=32, ema_decay=0.9, translate=translate,
+                                                     translate_state=True))  # fmt: skip
+    learner.rt, learner.info, learner.logger = _runtime(), DistInfo(), None
+    learner.policy, learner.model = policy.eval(), copy.deepcopy(policy).train()
+    learner.params = [p for p in learner.model.parameters() if p.requires_grad]
+    learner.optim = torch.optim.AdamW(learner.params, lr=1e-3)
+    learner.labelled = False
+    learner.demos, learner.kept, learner._added = WindowStore(8), WindowStore(8), 0
+    learner.demos.add_episode([({"state": s0}, np.zeros((4, 2), np.float32))] * 2)
+    learner.kept.add_episode([({"state": s0}, np.ones((4, 2), np.float32))] * 2)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = learner.model.bc_loss
+
+    def recording(obs, actions, **kwargs):
+        seen.append((obs["state"].detach().clone(), actions.detach().clone()))
+        return real(obs, actions, **kwargs)
+
+    learner.model.bc_loss = recording
+    learner.update(seed=0, step=0, iteration=0)
+    assert len(seen) == 3
+    for state, actions in seen:
+        shift = (state[:, 0] - torch.from_numpy(s0)).unflatten(-1, (2, 3))  # (B, 2, 3)
+        assert torch.allclose(shift[:, 0], shift[:, 1])  # one offset per window, on every triple
+        assert torch.all(shift[..., 2] == 0) and float(shift[..., :2].abs().max()) <= translate + 1e-6
+        assert set(actions[:, 0, 0].tolist()) <= {0.0, 1.0}  # the windows' own actions
+        if translate:
+            assert len({tuple(r) for r in shift[:, 0, :2].tolist()}) == len(shift)  # each window its own offset
+            assert float(shift[..., :2].abs().max()) > 0.01
+        else:
+            assert torch.all(shift == 0)

@@ -265,11 +265,17 @@ class EvaluateConfig:
     """Environment keyword arguments changed for this evaluation only, over the checkpoint's ``env.kwargs``
     (``+env_kwargs.state_noise=0.015`` evaluates a Meta-World state policy with its positions off by that
     much); the summary records them. An argument the environment does not take fails in one line."""
+    n_action_steps: int | None = None
+    """Actions executed from each sampled chunk before the policy decides again (1 .. its horizon); null: the
+    checkpoint's ``policy.n_action_steps``. Fewer replans more often (closed-loop, at more sampling and, for a
+    camera, rendering per episode); the summary records a changed value."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:
         if not self.checkpoint:
             raise ValueError("checkpoint is required: pass checkpoint=PATH to a checkpoint directory")
+        if self.n_action_steps is not None:
+            _positive("n_action_steps", self.n_action_steps)
         _choice("split", self.split, ("test", "val"))
         _choice("protocol", self.protocol, ("", *PROTOCOLS))
         if self.eval_seed is None:

@@ -23,7 +23,9 @@ One round (one iteration of the loop in ``train.py``):
    trains it where the demonstrations and the environment both carry the privileged ``target_pos`` label
    (recorded at every decision of the rollouts): the condition on the labelled positions plus
    ``position_noise``, the position head on the label (weight ``bc.target_aux_weight``); without the label
-   the condition reads the policy's own prediction and the head is not trained.
+   the condition reads the policy's own prediction and the head is not trained. Every window is seen from a
+   scene shifted as BC shifts it (``bc.translate``, :func:`diffpolicy.bc.shifted_scenes`): without it, the
+   continuation would fit the demonstrations' few placements again, which the augmentation kept BC from.
 
 It is behaviour cloning on a dataset that grows with the policy's own successes (self-imitation learning,
 Oh et al. 2018; the filtered-BC baseline of offline RL): every update is a BC step toward actions that
@@ -43,7 +45,7 @@ import numpy as np
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.bc import adamw, bc_losses, ema_update
+from diffpolicy.bc import adamw, bc_losses, ema_update, shifted_scenes
 from diffpolicy.config import FilteredBCConfig, TrainConfig
 from diffpolicy.data.dataset import TARGET_KEY
 from diffpolicy.data.windows import DemoWindows
@@ -258,9 +260,10 @@ class FilteredBCLearner(PolicyLearner):
             if n_kept:
                 parts.append(self.kept.batch(idx[idx >= n_demo] - n_demo, device))
             obs, actions = concat_batches(parts)
+            target = obs.pop(TARGET_KEY)[:, 0] if self.labelled else None  # (B, 3 k) m
+            obs, target = shifted_scenes(obs, target, self.cfg.bc, gen)  # BC's augmentation, kept windows too
             with self.rt.autocast():
                 if self.labelled:
-                    target = obs.pop(TARGET_KEY)[:, 0]  # (B, 3 k) m
                     loss, aux_loss, _ = bc_losses(self.model, None, obs, actions, target, self.cfg.bc, gen)
                     loss = loss + self.cfg.bc.target_aux_weight * aux_loss
                 else:
