@@ -83,7 +83,9 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.n_action_steps is not None:
         room = policy.horizon - policy.n_obs_steps + 1  # a chunk's rows from the current observation on
         if cfg.n_action_steps > room:
-            raise ValueError(f"n_action_steps={cfg.n_action_steps} exceeds the {room} rows a chunk has to execute")
+            raise ValueError(
+                f"n_action_steps={cfg.n_action_steps} exceeds the {room} rows a chunk has to execute"
+            )
         policy.n_action_steps = cfg.n_action_steps
     deterministic, protocol, source = sampling_protocol(ckpt, cfg.deterministic, cfg.protocol)
     apply_protocol(policy, protocol)

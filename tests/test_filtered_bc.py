@@ -399,7 +399,9 @@ def test_the_continuation_sees_the_scenes_shifted_as_bc_saw_them(translate: floa
         assert torch.all(shift[..., 2] == 0) and float(shift[..., :2].abs().max()) <= translate + 1e-6
         assert set(actions[:, 0, 0].tolist()) <= {0.0, 1.0}  # the windows' own actions
         if translate:
-            assert len({tuple(r) for r in shift[:, 0, :2].tolist()}) == len(shift)  # each window its own offset
+            assert len({tuple(r) for r in shift[:, 0, :2].tolist()}) == len(
+                shift
+            )  # each window its own offset
             assert float(shift[..., :2].abs().max()) > 0.01
         else:
             assert torch.all(shift == 0)
