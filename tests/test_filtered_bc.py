@@ -79,6 +79,29 @@ def test_keep_chooses_successes_or_top_returns() -> None:
         FilteredBCConfig(batch_size=0)
 
 
+def test_keep_advantage_keeps_the_successes_of_scenes_not_every_try_solved() -> None:
+    """algo.keep=advantage with scene_tries=3: consecutive episodes share a scene; a scene every try solved
+    gives nothing (advantage 0), a scene solved once in three gives its success advantage 2/3, a scene
+    never solved gives nothing to keep; the config refuses one try or a round that splits a scene."""
+    from types import SimpleNamespace
+
+    from diffpolicy.config import FilteredBCConfig
+    from diffpolicy.rl.filtered_bc import FilteredBCLearner
+
+    fake = object.__new__(FilteredBCLearner)
+    fake.cfg = SimpleNamespace(algo=FilteredBCConfig(keep="advantage", scene_tries=3, round_episodes=9))
+    succ = [True, True, True, False, True, False, False, False, False]  # scenes: solved, once, never
+    adv = fake.advantages(succ)
+    assert np.allclose(adv, [0, 0, 0, 2 / 3, 2 / 3, 2 / 3, 1, 1, 1])
+    assert fake.choose(succ, [0.0] * 9, True) == [4]
+    with pytest.raises(ValueError, match="reports no success"):
+        fake.choose(succ, [0.0] * 9, False)
+    with pytest.raises(ValueError, match="scene_tries >= 2"):
+        FilteredBCConfig(keep="advantage")
+    with pytest.raises(ValueError, match="multiple of algo.scene_tries"):
+        FilteredBCConfig(scene_tries=5)  # 192 episodes
+
+
 def test_ema_update_moves_toward_source() -> None:
     t, s = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     before = t.weight.detach().clone()
@@ -86,13 +109,16 @@ def test_ema_update_moves_toward_source() -> None:
     assert torch.allclose(t.weight, 0.75 * before + 0.25 * s.weight)
 
 
-def test_tiny_filtered_bc_run(tmp_path: Path, init_ckpt: Path) -> None:
+@pytest.mark.parametrize(
+    "keep", [[], ["algo.keep=advantage", "algo.scene_tries=2"]], ids=["success", "advantage"]
+)
+def test_tiny_filtered_bc_run(tmp_path: Path, init_ckpt: Path, keep: list[str]) -> None:
     """Two rounds through the command line: kept windows grow, the summary carries the failure map."""
     from test_train import TINY_POLICY, TINY_RUN
 
     run = [a for a in TINY_RUN if not a.startswith("algo.")] + [
         "algo=filtered_bc", "algo.iterations=2", "algo.round_episodes=4", "algo.bc_steps=3", "bc.n_demos=2",
-        "algo.batch_size=8", f"cache_dir={tmp_path / 'cache'}",
+        "algo.batch_size=8", f"cache_dir={tmp_path / 'cache'}", *keep,
     ]  # fmt: skip
     run = [a for a in run if a != "algo=ppo"]
     cmd = [sys.executable, "-m", "diffpolicy.train", *run, *TINY_POLICY, f"policy.init={init_ckpt}",
@@ -212,7 +238,9 @@ def test_chunk_exploration_keeps_the_executed_noisy_actions(init_ckpt: Path, mon
     kept: list[np.ndarray] = []
     monkeypatch.setattr(filtered_bc, "act", spy)
     monkeypatch.setattr(
-        head.kept, "add_episode", lambda d: kept.append(np.concatenate([a for _, a in d])) or len(d)
+        head.kept,
+        "add_episode",
+        lambda d, weight=1.0: kept.append(np.concatenate([a for _, a in d])) or len(d),
     )
 
     class AllSucceed(filtered_bc.EpisodeRecord):  # every episode counts as a success, so every one is kept
@@ -405,3 +433,54 @@ def test_the_continuation_sees_the_scenes_shifted_as_bc_saw_them(translate: floa
             assert float(shift[..., :2].abs().max()) > 0.01
         else:
             assert torch.all(shift == 0)
+
+
+def test_advantage_weights_draw_the_rare_success_more_often_and_survive_a_checkpoint() -> None:
+    """keep=advantage: the continuation draws a kept window in proportion to its weight (a demonstration's
+    as 1), so on a fixed batch the update moves the deployed action at the heavily weighted scene's
+    observation further than at the lightly weighted one's; the weights are saved and restored, and a store
+    saved without them loads as uniform."""
+    import copy
+    from types import SimpleNamespace
+
+    from diffpolicy.config import FilteredBCConfig
+    from diffpolicy.distributed import DistInfo
+    from diffpolicy.rl.filtered_bc import FilteredBCLearner
+
+    policy = _tiny_policy()
+    s_heavy, s_light = np.full(5, 0.3, np.float32), np.full(5, -0.3, np.float32)
+    learner = object.__new__(FilteredBCLearner)
+    learner.cfg = SimpleNamespace(
+        algo=FilteredBCConfig(bc_steps=150, lr=3e-3, batch_size=16, keep="advantage", scene_tries=2,
+                              round_episodes=4),
+        bc=SimpleNamespace(batch_size=16, ema_decay=0.9, translate=0.0),
+    )  # fmt: skip
+    learner.rt, learner.info, learner.logger = _runtime(), DistInfo(), None
+    learner.policy, learner.model = policy.eval(), copy.deepcopy(policy).train()
+    learner.params = [p for p in learner.model.parameters() if p.requires_grad]
+    learner.optim = torch.optim.AdamW(learner.params, lr=3e-3)
+    learner.labelled = False
+    learner.demos = WindowStore(8)
+    learner.demos.add_episode([({"state": np.zeros(5, np.float32)}, np.zeros((4, 2), np.float32))] * 2)
+    learner.kept, learner._added = WindowStore(8), 0
+    learner.kept.add_episode([({"state": s_heavy}, np.full((4, 2), 0.6, np.float32))] * 2, weight=1.0)
+    learner.kept.add_episode([({"state": s_light}, np.full((4, 2), 0.6, np.float32))] * 2, weight=0.02)
+    assert not learner.kept.uniform
+
+    def gap(s: np.ndarray) -> float:
+        out = learner.policy.sample({"state": torch.from_numpy(s)[None, None]}, deterministic=True)
+        return float((out.actions[0, :4] - 0.6).abs().mean())
+
+    before = gap(s_heavy), gap(s_light)
+    learner.update(seed=0, step=0, iteration=0)
+    after = gap(s_heavy), gap(s_light)
+    assert after[0] < 0.6 * before[0]  # the heavy scene's success was imitated
+    assert after[0] / before[0] < after[1] / before[1] - 0.1  # ... more than the rarely drawn one
+
+    restored = WindowStore(8)
+    restored.load(learner.kept.state())
+    assert torch.equal(restored.weights, learner.kept.weights)
+    state = learner.kept.state()
+    old = WindowStore(8)
+    old.load({"obs": state["obs"], "actions": state["actions"]})
+    assert old.uniform and len(old.weights) == len(old)

@@ -313,17 +313,31 @@ class FilteredBCConfig(SamplingConfig, LearnerConfig):
     deterministic (every DDIM step's mean, as evaluated: collects only scenes the policy already solves)."""
     explore_std: float = 0.05
     """``explore=chunk``: std of the held action noise, env units (actions are clipped to [-1, 1])."""
+    scene_tries: int = 1
+    """Episodes per training scene: a round rolls out ``round_episodes / scene_tries`` scenes, each
+    ``scene_tries`` times in a row (different exploration draws), so that ``keep=advantage`` can tell the
+    scenes the policy already solves from those it solves only sometimes."""
     keep: str = "auto"
-    """Which of a round's episodes are imitated: success (those that reached the goal) | top (the
-    ``keep_fraction`` of the round's episodes with the highest return: %BC, for envs without a success notion
-    such as Hopper) | auto (success where the env reports it, else top)."""
+    """Which of a round's episodes are imitated: success (those that reached the goal) | advantage (the
+    successes on scenes that not every one of their ``scene_tries`` solved, each window drawn in proportion to
+    its scene's advantage 1 - success fraction, a demonstration's as 1: imitation spent where the policy
+    fails, the successes it already owns left out; GRPO's group baseline on a 0/1 reward, positive part) |
+    top (the ``keep_fraction`` of the round's episodes with the highest return: %BC, for envs without a
+    success notion such as Hopper) | auto (success where the env reports it, else top)."""
     keep_fraction: float = 0.25
     """``keep=top``: the fraction of each round's episodes kept, by return (at least one)."""
 
     def __post_init__(self) -> None:
         LearnerConfig.__post_init__(self)
         SamplingConfig.__post_init__(self)
-        _choice("algo.keep", self.keep, ("auto", "success", "top"))
+        _choice("algo.keep", self.keep, ("auto", "success", "advantage", "top"))
+        _positive("algo.scene_tries", self.scene_tries)
+        if self.keep == "advantage" and self.scene_tries < 2:
+            raise ValueError("algo.keep=advantage compares the tries of a scene: set algo.scene_tries >= 2")
+        if self.round_episodes % self.scene_tries:
+            raise ValueError(
+                f"algo.round_episodes={self.round_episodes} must be a multiple of algo.scene_tries={self.scene_tries}"
+            )
         if not 0.0 < self.keep_fraction <= 1.0:
             raise ValueError(f"algo.keep_fraction={self.keep_fraction} must lie in (0, 1]")
         _choice("algo.explore", self.explore, ("deterministic", "chain", "chunk"))

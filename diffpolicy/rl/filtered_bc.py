@@ -65,20 +65,24 @@ class WindowStore:
     """Windows (observation at a decision, the Ta actions executed from it) from successful episodes.
 
     ``obs[key]`` (N, 1, ...) tensors on the CPU (``instruction``: a list of N strings); ``actions``
-    (N, Ta, Da) float32, env units.
+    (N, Ta, Da) float32, env units; ``weights`` (N,) float32, how often the continuation draws each window
+    relative to a demonstration's (1; ``algo.keep=advantage``: its scene's advantage).
     """
 
     def __init__(self, horizon: int) -> None:
         self.horizon = horizon
         self.obs: dict[str, Any] = {}
         self.actions = torch.zeros(0)
+        self.weights = torch.zeros(0)
         self._chunks: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self._chunk_weights: list[torch.Tensor] = []
 
     def __len__(self) -> int:
         return len(self.actions) + sum(len(a) for _, a in self._chunks)
 
-    def add_episode(self, decisions: list[tuple[dict[str, Any], np.ndarray]]) -> int:
-        """One successful episode: ``decisions`` [(obs of one env at that decision, executed (e, Da))]; -> windows added."""
+    def add_episode(self, decisions: list[tuple[dict[str, Any], np.ndarray]], weight: float = 1.0) -> int:
+        """One successful episode: ``decisions`` [(obs of one env at that decision, executed (e, Da))], each
+        window drawn with ``weight``; -> windows added."""
         executed = np.concatenate([a for _, a in decisions])  # (L, Da): every control step of the episode
         starts = np.cumsum([0] + [len(a) for _, a in decisions[:-1]])  # (D,) step index of each decision
         idx = np.minimum(starts[:, None] + np.arange(self.horizon), len(executed) - 1)  # (D, Ta)
@@ -92,12 +96,20 @@ class WindowStore:
                 else torch.from_numpy(np.stack(values))[:, None]
             )  # (D, 1, ...)
         self._chunks.append((obs, actions))
+        self._chunk_weights.append(torch.full((len(actions),), float(weight)))
         return len(actions)
 
     def _consolidate(self) -> None:
         if self._chunks:
             self.obs, self.actions = concat_batches([(self.obs, self.actions), *self._chunks])
-            self._chunks = []
+            self.weights = torch.cat([self.weights, *self._chunk_weights])
+            self._chunks, self._chunk_weights = [], []
+
+    @property
+    def uniform(self) -> bool:
+        """True when every window is drawn alike (no ``keep=advantage`` weights)."""
+        self._consolidate()
+        return bool(torch.all(self.weights == 1.0))
 
     def batch(self, idx: torch.Tensor, device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
         """Windows ``idx`` (B,) -> (obs (B, 1, ...) on ``device``, actions (B, Ta, Da))."""
@@ -110,10 +122,16 @@ class WindowStore:
 
     def state(self) -> dict[str, Any]:
         self._consolidate()
-        return {"obs": self.obs, "actions": self.actions}
+        return {"obs": self.obs, "actions": self.actions, "weights": self.weights}
 
     def load(self, state: dict[str, Any]) -> None:
-        self.obs, self.actions, self._chunks = dict(state["obs"]), state["actions"], []
+        self.obs, self.actions, self._chunks, self._chunk_weights = (
+            dict(state["obs"]),
+            state["actions"],
+            [],
+            [],
+        )
+        self.weights = state.get("weights", torch.ones(len(self.actions)))  # checkpoints before the weights
 
 
 def concat_batches(parts: list[tuple[dict[str, Any], torch.Tensor]]) -> tuple[dict[str, Any], torch.Tensor]:
@@ -179,7 +197,8 @@ class FilteredBCLearner(PolicyLearner):
         played: list[list[tuple[dict[str, Any], np.ndarray]]] = []  # every finished episode, in record order
         for start in range(0, algo.round_episodes, n):
             live = np.arange(n) < min(n, algo.round_episodes - start)
-            obs, reset_info = self.venv.reset(seed=[base + start + i for i in range(n)])
+            # algo.scene_tries consecutive episodes share a scene (its seed)
+            obs, reset_info = self.venv.reset(seed=[base + (start + i) // algo.scene_tries for i in range(n)])
             if self.labelled and TARGET_KEY not in reset_info:
                 self.labelled = False  # the env reports no label: the condition reads the prediction
             label = reset_info.get(TARGET_KEY)  # (n, 3 k) m: the labelled positions of obs
@@ -206,11 +225,18 @@ class FilteredBCLearner(PolicyLearner):
                 record.step(reward, term, trunc, info, executed)
                 obs, label = obs_next, info.get(TARGET_KEY)
             # a failed episode is never imitated under the success filter: hold only what may be kept
-            by_success = self.keep_rule(record.reports_success) == "success"
+            by_success = self.keep_rule(record.reports_success) in ("success", "advantage")
             played += [episodes[i] if record.succ[i] or not by_success else [] for i in np.flatnonzero(live)]
             record.end()
         chosen = self.choose(record.successes, record.returns, record.reports_success)
-        self._added = sum(self.kept.add_episode(played[i]) for i in chosen)
+        weights = (
+            self.advantages(record.successes)
+            if self.keep_rule(record.reports_success) == "advantage"
+            else None
+        )
+        self._added = sum(
+            self.kept.add_episode(played[i], 1.0 if weights is None else weights[i]) for i in chosen
+        )
         stats.env_steps, stats.episodes = record.env_steps, len(record.successes)
         stats.successes, stats.returns = int(sum(record.successes)), record.returns
         return stats
@@ -222,16 +248,29 @@ class FilteredBCLearner(PolicyLearner):
             return "success" if reports_success else "top"
         return keep
 
+    def advantages(self, successes: list[bool]) -> list[float]:
+        """Each episode's scene advantage (``algo.keep=advantage``): 1 - the success fraction of the
+        ``algo.scene_tries`` episodes on its scene (a scene's tries are consecutive); 0 where every try
+        succeeded (nothing there to learn), and more the rarer the success."""
+        tries = self.cfg.algo.scene_tries
+        ok = np.asarray(successes, dtype=np.float64)
+        rate = np.array([ok[(i // tries) * tries : (i // tries + 1) * tries].mean() for i in range(len(ok))])
+        return (1.0 - rate).tolist()
+
     def choose(self, successes: list[bool], returns: list[float], reports_success: bool) -> list[int]:
-        """The indices of a round's episodes to imitate (``algo.keep``): the successes, or the top
-        ``algo.keep_fraction`` by return (ties broken by order); ``auto`` is ``success`` where the env reports
-        success and ``top`` where it does not."""
-        if self.keep_rule(reports_success) == "success":
+        """The indices of a round's episodes to imitate (``algo.keep``): the successes; the successes on scenes
+        that not every try solved (``advantage``); or the top ``algo.keep_fraction`` by return (ties broken by
+        order); ``auto`` is ``success`` where the env reports success and ``top`` where it does not."""
+        rule = self.keep_rule(reports_success)
+        if rule in ("success", "advantage"):
             if not reports_success:
                 raise ValueError(
-                    "algo.keep=success, but this env reports no success (no info['is_success']): "
+                    f"algo.keep={rule}, but this env reports no success (no info['is_success']): "
                     "use algo.keep=top (or auto) to keep the highest-return episodes"
                 )
+            if rule == "advantage":
+                adv = self.advantages(successes)
+                return [i for i, ok in enumerate(successes) if ok and adv[i] > 0]
             return [i for i, ok in enumerate(successes) if ok]
         n = max(1, math.ceil(self.cfg.algo.keep_fraction * len(returns)))
         order = sorted(range(len(returns)), key=lambda i: (-returns[i], i))
@@ -247,11 +286,17 @@ class FilteredBCLearner(PolicyLearner):
         n_demo, n_kept = len(self.demos), len(self.kept)
         batch = min(algo.batch_size or self.cfg.bc.batch_size, n_demo + n_kept)
         warmup = max(1, algo.bc_steps // 20)
+        # keep=advantage: a kept window is drawn in proportion to its scene's advantage, a demonstration's as 1
+        draw = None if not n_kept or self.kept.uniform else torch.cat([torch.ones(n_demo), self.kept.weights])
         values = []
         for k in range(algo.bc_steps):
             for group in self.optim.param_groups:
                 group["lr"] = algo.lr * min(1.0, (k + 1) / warmup)
-            idx = torch.randint(0, n_demo + n_kept, (batch,), generator=gen)
+            idx = (
+                torch.randint(0, n_demo + n_kept, (batch,), generator=gen)
+                if draw is None
+                else torch.multinomial(draw, batch, replacement=True, generator=gen)
+            )
             demo_idx = idx[idx < n_demo]
             demo_obs, demo_actions = self.demos.batch(demo_idx, device)
             if self.labelled:
