@@ -484,3 +484,33 @@ def test_advantage_weights_draw_the_rare_success_more_often_and_survive_a_checkp
     old = WindowStore(8)
     old.load({"obs": state["obs"], "actions": state["actions"]})
     assert old.uniform and len(old.weights) == len(old)
+
+
+@pytest.mark.parametrize("finetune", [False, True])
+def test_the_continuation_trains_the_encoders_unless_frozen(
+    tmp_path: Path, init_ckpt: Path, finetune: bool
+) -> None:
+    """One round of train's own loop moves the observation encoders' weights as BC would (the default), or
+    leaves them as they were with policy.freeze_encoders=true, and moves the denoiser either way."""
+    from test_train import TINY_POLICY, TINY_RUN
+
+    from diffpolicy import checkpoint
+    from diffpolicy.cli import compose
+    from diffpolicy.train import main
+
+    run = [a for a in TINY_RUN if not a.startswith("algo")] + [
+        "algo=filtered_bc", "algo.iterations=1", "algo.round_episodes=4", "algo.bc_steps=3", "bc.n_demos=2",
+        "algo.batch_size=8", "algo.keep=top", f"policy.freeze_encoders={str(not finetune).lower()}",
+        f"cache_dir={tmp_path / 'cache'}", *TINY_POLICY, f"policy.init={init_ckpt}",
+    ]  # fmt: skip
+    main(compose("train", run), tmp_path / "run")
+    before = checkpoint.load(init_ckpt).state["policy"]
+    after = checkpoint.load(tmp_path / "run" / "checkpoints").state["policy"]
+    moved = {
+        k.split(".")[0]
+        for k in before
+        if before[k].is_floating_point() and not torch.equal(before[k], after[k])
+    }
+    assert "denoiser" in moved
+    changed = [k for k in before if k.startswith("obs_encoder") and not torch.equal(before[k], after[k])]
+    assert ("obs_encoder" in moved) == finetune, changed

@@ -17,13 +17,14 @@ One round (one iteration of the loop in ``train.py``):
    (Hopper), the ``algo.keep_fraction`` of the round with the highest return (%BC, Chen et al. 2021). The
    others are dropped. The windows accumulate over rounds.
 3. **Update.** The trained weights restart from the EMA weights and take ``algo.bc_steps`` AdamW steps
-   (``algo.lr``) of the BC loss on batches of ``algo.batch_size`` (default ``bc.batch_size``) windows drawn uniformly from the
-   demonstrations and every kept window; the EMA (``bc.ema_decay``) follows, and is what is rolled out,
-   evaluated and saved. A predict-then-act policy (``policy.encoder.predict_positions``) is trained as BC
-   trains it where the demonstrations and the environment both carry the privileged ``target_pos`` label
-   (recorded at every decision of the rollouts): the condition on the labelled positions plus
-   ``position_noise``, the position head on the label (weight ``bc.target_aux_weight``); without the label
-   the condition reads the policy's own prediction and the head is not trained. Every window is seen from a
+   (``algo.lr``) of the BC loss on batches of ``algo.batch_size`` (default ``bc.batch_size``) windows drawn from the
+   demonstrations and every kept window (uniformly; ``keep=advantage``: in proportion to their weights); the
+   EMA (``bc.ema_decay``) follows, and is what is rolled out, evaluated and saved. The whole policy learns,
+   observation encoders included, as in BC (``policy.freeze_encoders=true``: the denoiser alone). A predict-then-act policy
+   (``policy.encoder.predict_positions``) is trained as BC trains it where the demonstrations and the
+   environment both carry the privileged ``target_pos`` label (recorded at every decision of the rollouts):
+   the condition on the labelled positions plus ``position_noise``, the position head on the label (weight ``bc.target_aux_weight``); without the label the condition reads the
+   policy's own prediction and the head is not trained. Every window is seen from a
    scene shifted as BC shifts it (``bc.translate``, :func:`diffpolicy.bc.shifted_scenes`): without it, the
    continuation would fit the demonstrations' few placements again, which the augmentation kept BC from.
 
