@@ -17,16 +17,17 @@ One round (one iteration of the loop in ``train.py``):
    (Hopper), the ``algo.keep_fraction`` of the round with the highest return (%BC, Chen et al. 2021). The
    others are dropped. The windows accumulate over rounds.
 3. **Update.** The trained weights restart from the EMA weights and take ``algo.bc_steps`` AdamW steps
-   (``algo.lr``) of the BC loss on batches of ``algo.batch_size`` (default ``bc.batch_size``) windows drawn from the
-   demonstrations and every kept window (uniformly; ``keep=advantage``: in proportion to their weights); the
-   EMA (``bc.ema_decay``) follows, and is what is rolled out, evaluated and saved. The whole policy learns,
-   observation encoders included, as in BC (``policy.freeze_encoders=true``: the denoiser alone). A predict-then-act policy
-   (``policy.encoder.predict_positions``) is trained as BC trains it where the demonstrations and the
-   environment both carry the privileged ``target_pos`` label (recorded at every decision of the rollouts):
-   the condition on the labelled positions plus ``position_noise``, the position head on the label (weight ``bc.target_aux_weight``); without the label the condition reads the
-   policy's own prediction and the head is not trained. Every window is seen from a
-   scene shifted as BC shifts it (``bc.translate``, :func:`diffpolicy.bc.shifted_scenes`): without it, the
-   continuation would fit the demonstrations' few placements again, which the augmentation kept BC from.
+   (``algo.lr``) of the BC loss on batches of ``algo.batch_size`` (default ``bc.batch_size``) windows drawn
+   from the demonstrations and every kept window (uniformly; ``keep=advantage``: in proportion to their
+   weights); the EMA (``bc.ema_decay``) follows, and is what is rolled out, evaluated and saved. The whole
+   policy learns, observation encoders included, as in BC (``policy.freeze_encoders=true``: the denoiser
+   alone). A predict-then-act policy (``policy.encoder.predict_positions``) is trained as BC trains it where
+   the demonstrations and the environment both carry the privileged ``target_pos`` label (recorded at every
+   decision of the rollouts): the condition on the labelled positions plus ``position_noise``, the position
+   head on the label (weight ``bc.target_aux_weight``); without the label the condition reads the policy's
+   own prediction and the head is not trained. Every window is seen from a scene shifted as BC shifts it
+   (``bc.translate``, :func:`diffpolicy.bc.shifted_scenes`): without it, the continuation would fit the
+   demonstrations' few placements again, which the augmentation kept BC from.
 
 It is behaviour cloning on a dataset that grows with the policy's own successes (self-imitation learning,
 Oh et al. 2018; the filtered-BC baseline of offline RL): every update is a BC step toward actions that
@@ -126,12 +127,8 @@ class WindowStore:
         return {"obs": self.obs, "actions": self.actions, "weights": self.weights}
 
     def load(self, state: dict[str, Any]) -> None:
-        self.obs, self.actions, self._chunks, self._chunk_weights = (
-            dict(state["obs"]),
-            state["actions"],
-            [],
-            [],
-        )
+        self.obs, self.actions = dict(state["obs"]), state["actions"]
+        self._chunks, self._chunk_weights = [], []
         self.weights = state.get("weights", torch.ones(len(self.actions)))  # checkpoints before the weights
 
 
@@ -226,18 +223,13 @@ class FilteredBCLearner(PolicyLearner):
                 record.step(reward, term, trunc, info, executed)
                 obs, label = obs_next, info.get(TARGET_KEY)
             # a failed episode is never imitated under the success filter: hold only what may be kept
-            by_success = self.keep_rule(record.reports_success) in ("success", "advantage")
+            rule = self.keep_rule(record.reports_success)
+            by_success = rule in ("success", "advantage")
             played += [episodes[i] if record.succ[i] or not by_success else [] for i in np.flatnonzero(live)]
             record.end()
         chosen = self.choose(record.successes, record.returns, record.reports_success)
-        weights = (
-            self.advantages(record.successes)
-            if self.keep_rule(record.reports_success) == "advantage"
-            else None
-        )
-        self._added = sum(
-            self.kept.add_episode(played[i], 1.0 if weights is None else weights[i]) for i in chosen
-        )
+        weights = self.advantages(record.successes) if rule == "advantage" else [1.0] * len(played)
+        self._added = sum(self.kept.add_episode(played[i], weights[i]) for i in chosen)
         stats.env_steps, stats.episodes = record.env_steps, len(record.successes)
         stats.successes, stats.returns = int(sum(record.successes)), record.returns
         return stats
