@@ -105,6 +105,54 @@ def test_grpo_returns_ignore_the_critic(bootstrap: bool) -> None:
     torch.testing.assert_close(buffer.get()["bootstraps"], torch.tensor([[0.0, 0.0], [boot, boot]]))
 
 
+class DenseThenSuccess(gym.Env):
+    """Meta-World's shape: a dense reward of 5 every step, success (and the episode's end) at step 3."""
+
+    observation_space = Endless.observation_space
+    action_space = Endless.action_space
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return {"state": np.zeros(1, np.float32)}, {"is_success": False}
+
+    def step(self, action):
+        self.t += 1
+        return {"state": np.zeros(1, np.float32)}, 5.0, self.t == 3, False, {"is_success": self.t == 3}
+
+
+@pytest.mark.parametrize("source", ["env", "success"])
+def test_success_reward_pays_only_the_succeeding_decision(source: str) -> None:
+    """``algo.reward=success`` stores 1 for the decision whose actions reach success and 0 for the others
+    (the dense 5 per step is dropped); the episode returns the stats report stay the environment's."""
+    fns = [lambda: ActionChunkWrapper(gym.wrappers.TimeLimit(DenseThenSuccess(), 10), 2) for _ in range(2)]
+    venv = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    specs = {"state": ((1,), torch.float32), **ppo_specs({}, ft_steps=1, horizon=2, action_dim=2)}
+    buffer = RolloutBuffer(2, 2, {**specs, "valid": ((), torch.float32)})
+    critic = lambda cond, state=None: torch.zeros(cond.shape[0])
+    _, stats = collect_rollout(ChainStub(), critic, venv, buffer, n_steps=2, seeds=[0, 1], gamma=0.9,
+                               device=torch.device("cpu"), reward_source=source)  # fmt: skip
+    venv.close()
+    rewards = buffer.get()["rewards"]  # (T, N): steps 1-2, then step 3 (success, the chunk cut short)
+    want = [[10.0, 10.0], [5.0, 5.0]] if source == "env" else [[0.0, 0.0], [1.0, 1.0]]
+    torch.testing.assert_close(rewards, torch.tensor(want))
+    torch.testing.assert_close(buffer.get()["dones"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    assert stats.returns == [15.0, 15.0] and stats.successes == 2
+
+
+def test_success_reward_refuses_an_env_without_success() -> None:
+    fns = [lambda: ActionChunkWrapper(gym.wrappers.TimeLimit(Endless(), 3), 2)]
+    venv = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    specs = {"state": ((1,), torch.float32), **ppo_specs({}, ft_steps=1, horizon=2, action_dim=2)}
+    buffer = RolloutBuffer(1, 1, {**specs, "valid": ((), torch.float32)})
+    with pytest.raises(ValueError, match="algo.reward=success, but this env reports no success"):
+        collect_rollout(ChainStub(), lambda c, s=None: torch.zeros(c.shape[0]), venv, buffer, n_steps=1,
+                        seeds=[0], gamma=0.9, device=torch.device("cpu"), reward_source="success")  # fmt: skip
+    venv.close()
+    with pytest.raises(ValueError, match="algo.reward"):
+        compose("train", ["algo=dppo", "algo.reward=sparse"])
+
+
 # -------------------------------------------------------------- (2) frozen pre-trained denoiser, K' < K
 def test_early_steps_use_a_frozen_copy_of_the_pretrained_denoiser() -> None:
     noise = torch.randn(B, TA, DA, generator=torch.Generator().manual_seed(3))

@@ -185,6 +185,13 @@ class ChainConfig(SamplingConfig, PPOConfig):
     divided by the running std of the rewards' backward-discounted sums, discount 0.99, clipped to +-10;
     :class:`~diffpolicy.rl.advantages.RunningRewardScaler`; a time-limit cut's bootstrap value is added after
     scaling, being in the critic's units already). GAE only (GRPO normalises its returns anyway)."""
+    reward: str = "env"
+    """What the chain learner maximises: env (the environment's reward) | success (1 on the decision whose
+    executed actions reach ``info["is_success"]``, else 0: DPPO's sparse robomimic reward). An environment
+    that ends episodes on success and pays a dense reward for every step near its goal (Meta-World) pays more
+    for not finishing than for finishing; with ``success`` the discounted return is gamma^t of the decision
+    that succeeds, so succeeding, and succeeding sooner, is all that earns. Episode returns in the metrics
+    stay the environment's."""
     critic_input: str = "cond"
     """What the critic reads: cond (the policy's fused observation vector, frozen features trained for
     imitation) | state (the normalised state vector; DPPO's Gym critic, which reads the raw normalised
@@ -206,6 +213,7 @@ class ChainConfig(SamplingConfig, PPOConfig):
         _choice("algo.reg", self.reg, ("none", "kl", "bc"))
         _choice("algo.reward_scale", self.reward_scale, ("none", "running"))
         _choice("algo.critic_input", self.critic_input, ("cond", "state"))
+        _choice("algo.reward", self.reward, ("env", "success"))
         if not self.critic_hidden or any(int(h) <= 0 for h in self.critic_hidden):
             raise ValueError(
                 f"algo.critic_hidden={list(self.critic_hidden)} needs one or more positive widths"

@@ -102,7 +102,7 @@ class ChainLearner(PolicyLearner):
             self.policy, self.critic, self.venv, self.buffer, n_steps=algo.n_steps,
             seeds=env_seeds(self.cfg, seed), gamma=algo.gamma, device=self.rt.device,
             generator=torch.Generator(device=self.rt.device).manual_seed(seed), autocast=self.rt.autocast,
-            first_episode_only=self.grpo, bootstrap=not self.grpo,
+            first_episode_only=self.grpo, bootstrap=not self.grpo, reward_source=algo.reward,
         )  # fmt: skip
         self._last = self._advantages(last_value)
         return stats

@@ -35,6 +35,7 @@ def collect_rollout(
     autocast: Callable[[], Any] | None = None,
     first_episode_only: bool = False,
     bootstrap: bool = True,
+    reward_source: str = "env",
 ) -> tuple[torch.Tensor, RolloutStats]:
     """Run T = ``n_steps`` decisions in every environment from a seeded reset, filling ``buffer``.
 
@@ -49,6 +50,9 @@ def collect_rollout(
         seeds: one reset seed per environment (equal seeds make a GRPO group).
         bootstrap: fold the critic's value of a time-limit cut into the reward. False for returns that must
             not depend on a critic (GRPO: its critic is never trained, so V would be noise in the returns).
+        reward_source: ``env`` stores the environment's rewards; ``success`` stores 1.0 for a decision whose
+            executed actions reached ``info["is_success"]`` and 0.0 otherwise (``algo.reward``). The
+            episode returns in ``stats`` are the environment's either way.
 
     Returns:
         ``(last_value, stats)``: last_value (N,) is V of the observation after the last decision.
@@ -68,6 +72,14 @@ def collect_rollout(
         stats.policy_s, stats.env_s = stats.policy_s + t1 - t0, stats.env_s + time.perf_counter() - t1
         reward = reward.astype(np.float64)
         ep_return += reward  # the env's rewards only
+        succ = step_info(info, "is_success", num_envs, False).astype(bool)
+        if reward_source == "success":
+            if "is_success" not in info and "is_success" not in info.get("final_info", {}):
+                raise ValueError(
+                    "algo.reward=success, but this env reports no success (no info['is_success']); "
+                    "use algo.reward=env"
+                )
+            reward = succ.astype(np.float64)
         executed = step_info(info, "executed", num_envs, actions.shape[1])
         stats.env_steps += int(executed.sum())
         cut = np.flatnonzero(trunc & ~term)
@@ -91,7 +103,6 @@ def collect_rollout(
             valid=torch.from_numpy(valid.astype(np.float32)),
             **({"cond": out.cond} if "cond" in buffer.fields else {}),
         )
-        succ = step_info(info, "is_success", num_envs, False).astype(bool)
         for i in np.flatnonzero(done & valid):
             stats.end_episode(ep_return[i], succ[i])
         ep_return[done] = 0.0
