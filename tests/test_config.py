@@ -66,6 +66,14 @@ def test_env_hopper_departs_from_dppo_gym_in_the_actor_lr_alone(compose) -> None
     assert differ == {"name": ("dppo_gym", "dppo_gym_tuned"), "lr": (1e-4, 1e-3)}
 
 
+@pytest.mark.parametrize("env", sorted(p.stem for p in (CONF_DIR / "env").glob("*.yaml")))
+def test_collect_composes_with_every_env_entry(env: str, compose) -> None:
+    """An env entry that chooses train's policy, learner and run values (env=hopper, env=metaworld) composes
+    for collect too, whose own settings it leaves alone (collect once failed on them)."""
+    cfg = compose("collect", [f"env={env}", *REQUIRED_OVERRIDES.get(f"env/{env}", []), "n_episodes=3"])
+    assert cfg.env.name == env and cfg.n_episodes == 3 and cfg.keep_failures is None
+
+
 def test_dppo_gym_takes_dppos_update_steps_per_iteration(compose) -> None:
     """DPPO's Gym fine-tuning: 40 envs x 500 decisions x K' 10 = 200k (decision, step) pairs in batches of
     50k: 4 minibatches per epoch, 5 epochs, 20 Adam steps per iteration (not 200, as minibatches of 500 gave)."""

@@ -140,6 +140,11 @@ class CollectConfig:
 
     env: EnvConfig = field(default_factory=EnvConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    policy: Any = None
+    """Unused: the policy an env entry chooses for train and pretrain (env=hopper: mlp), kept so that every env
+    entry composes here too."""
+    algo: Any = None
+    """Unused: the learner an env entry chooses (env=hopper, env=metaworld)."""
     n_episodes: int = 100
     """Demonstration episodes to record."""
     seed: int = 0
