@@ -66,12 +66,35 @@ def test_env_hopper_departs_from_dppo_gym_in_the_actor_lr_alone(compose) -> None
     assert differ == {"name": ("dppo_gym", "dppo_gym_tuned"), "lr": (1e-4, 1e-3)}
 
 
+@pytest.mark.parametrize("name", ["train", "pretrain"])
+def test_env_metaworld_brings_its_learner_and_protocol_and_the_command_line_wins(name: str, compose) -> None:
+    """env=metaworld fine-tunes with algo=dppo_success (DPPO's settings, the success reward, 44 iterations) and
+    judges BC and the fine-tuned policy noise-free in train and pretrain alike; train reports DPPO's protocol
+    beside it on 100 test episodes and chooses on 50 validation ones. A learner named on the command line wins."""
+    cfg = compose(name, ["env=metaworld", "env.task=push"])
+    assert (cfg.algo.name, cfg.algo.reward, cfg.algo.iterations, cfg.eval_protocol) == (
+        "dppo_success", "success", 44, "noise_free",
+    )  # fmt: skip
+    if name == "train":
+        assert (cfg.report_protocols, cfg.eval_episodes, cfg.val_episodes) == (["dppo"], 100, 50)
+    cfg = compose(name, ["env=metaworld", "env.task=push", "algo=filtered_bc", "eval_protocol=exploration"])
+    assert (cfg.algo.name, cfg.eval_protocol) == ("filtered_bc", "exploration")
+
+
 @pytest.mark.parametrize("env", sorted(p.stem for p in (CONF_DIR / "env").glob("*.yaml")))
 def test_collect_composes_with_every_env_entry(env: str, compose) -> None:
     """An env entry that chooses train's policy, learner and run values (env=hopper, env=metaworld) composes
     for collect too, whose own settings it leaves alone (collect once failed on them)."""
     cfg = compose("collect", [f"env={env}", *REQUIRED_OVERRIDES.get(f"env/{env}", []), "n_episodes=3"])
     assert cfg.env.name == env and cfg.n_episodes == 3 and cfg.keep_failures is None
+
+
+def test_dppo_success_departs_from_dppo_in_the_reward_and_budget_alone(compose) -> None:
+    """algo=dppo_success is algo=dppo with the success reward and 44 iterations; no other field differs."""
+    mine = dataclasses.asdict(compose("train", ["env=metaworld", "env.task=push"]).algo)
+    dppo = dataclasses.asdict(compose("train", ["env=metaworld", "env.task=push", "algo=dppo"]).algo)
+    differ = {k: (dppo[k], mine[k]) for k in dppo if dppo[k] != mine[k]}
+    assert differ == {"name": ("dppo", "dppo_success"), "reward": ("env", "success"), "iterations": (151, 44)}
 
 
 def test_dppo_gym_takes_dppos_update_steps_per_iteration(compose) -> None:
@@ -164,7 +187,8 @@ def test_bare_learner_config_becomes_the_chain_learner() -> None:
 
 
 @pytest.mark.parametrize(
-    "entry", ["ppo", "grpo", "dppo", "dppo_gym", "dppo_gym_tuned", "fpo", "residual", "filtered_bc"]
+    "entry",
+    ["ppo", "grpo", "dppo", "dppo_success", "dppo_gym", "dppo_gym_tuned", "fpo", "residual", "filtered_bc"],
 )
 def test_one_name_chooses_the_learner(entry: str, compose) -> None:
     """``algo=<entry>`` is the one choice: ``algo.name`` records it and the schema says which learner runs;

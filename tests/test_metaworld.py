@@ -203,13 +203,15 @@ def test_demonstrations_count_successes(tmp_path: Path) -> None:
 
 
 def test_tiny_metaworld_run(tmp_path: Path) -> None:
-    """The user's command with tiny sizes, from an empty cache: Meta-World's expert -> multimodal BC ->
-    one filtered_bc round -> validation and test evaluations, each split named in the summary."""
+    """The user's command with tiny sizes, from an empty cache: Meta-World's expert -> multimodal BC -> one
+    iteration of env=metaworld's learner (the chain with the success reward) -> validation and test evaluations
+    (noise-free, DPPO's protocol beside), each split named in the summary."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "diffpolicy.train", "env=metaworld", "env.task=button-press",
            "env.num_envs=2", "env.vectorization=sync", "env.image_size=32", "env.n_points=64",
            "bc.n_demos=2", "bc.steps=2", "policy.down_dims=[32,64]", "policy.ddim_steps=4",
-           "algo.iterations=1", "algo.round_episodes=2", "algo.bc_steps=2", "eval_episodes=2",
+           "algo.iterations=1", "algo.n_steps=3", "algo.minibatch_size=3", "algo.update_epochs=1",
+           "algo.ft_steps=2", "eval_episodes=2", "val_episodes=2",
            "video_episodes=0", "log.progress=false", "log.tensorboard=false",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip
     out = subprocess.run(
@@ -219,6 +221,8 @@ def test_tiny_metaworld_run(tmp_path: Path) -> None:
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["splits"]["test"] == {"first_seed": 1_000_000, "episodes": 2, "use": "reported figure"}
     assert summary["splits"]["val"]["first_seed"] == 100_000 and summary["val"]["episodes"] == 2
+    assert summary["learner"] == "chain" and summary["protocol"] == "noise_free"
+    assert "dppo" in summary["protocols"]
     assert 0.0 <= summary["ppo_success_rate"] <= 1.0 and summary["env_steps"] > 0
     assert set(summary["failures"]["ppo"]) <= {"never_reached", "never_grasped", "timed_out"}
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
