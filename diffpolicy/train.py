@@ -147,6 +147,9 @@ class Progress:
     """The BC policy's evaluation (test, and ``val``), measured once and carried in every checkpoint."""
     guard_steps: int = 0
     """Env steps of the rollback guard's validation episodes (``algo.rollback_episodes``)."""
+    deployed: int = 0
+    """The iteration whose weights the policy holds: the last one, the stable one after a rollback, or with
+    ``algo.keep_best`` the one the guard judged best on validation (0: the pre-trained policy)."""
     seconds: float = 0.0
     """This process's seconds of fine-tuning iterations, and the env steps they took (``env_sps``)."""
     steps_timed: int = 0
@@ -215,7 +218,7 @@ def resume(
     checkpoint.set_rng_state(ckpt.state["rng"])
     progress = Progress(
         iteration=ckpt.step, env_steps=int(ckpt.extra["env_steps"]), bc=ckpt.extra["bc_eval"],
-        guard_steps=int(ckpt.extra.get("guard_env_steps", 0)),
+        guard_steps=int(ckpt.extra.get("guard_env_steps", 0)), deployed=int(ckpt.extra.get("deployed", ckpt.step)),
     )  # fmt: skip
     if info.is_main:
         truncate_metrics(run_dir, progress.env_steps)
@@ -229,18 +232,16 @@ def guard_baseline(
     """When the guard judges validation episodes (``algo.rollback_episodes``), the pre-trained policy is its
     first verdict: BC's figure on those same episodes (the first n of its validation evaluation) sets the best,
     and the policy is written as the stable checkpoint of step 0, so a first update that harms the deployed
-    policy is rolled back to BC itself."""
+    policy is rolled back to BC itself; with ``algo.keep_best`` it is also the first best checkpoint."""
     n = cfg.algo.rollback_episodes
     val = bc.get("val")
     if not n or val is None or len(val["returns"]) < n:
         return
     first = val["successes"][:n] if goal else val["returns"][:n]
     guard.update(float(np.mean(first)), 0)
-    art_state, art_extra = learner.artifact()
-    save_policy(
-        run_dir / "checkpoints" / "stable", 0, learner.saved_policy(), env_cfg=cfg.env, policy_cfg=cfg.policy,
-        extra_state=art_state, extra={**art_extra, "protocol": protocol_of(cfg)}, keep=1,
-    )  # fmt: skip
+    save_weights(learner, cfg, run_dir / "checkpoints" / "stable", 0)
+    if cfg.algo.keep_best:
+        save_weights(learner, cfg, run_dir / "checkpoints" / "best", 0)
 
 
 def evaluate_bc(cfg: TrainConfig, rt: Runtime, info: DistInfo, logger: Logger, learner: Learner) -> dict:
@@ -270,9 +271,11 @@ def iterate(
     guard: RollbackGuard, progress: Progress, init_path: Path, goal: bool,
 ) -> None:  # fmt: skip
     """The fine-tuning iterations from ``progress.iteration``: seeded rollout, update, sums over ranks,
-    metrics, and at every checkpoint the rollback guard's verdict and the checkpoints (``progress`` moves)."""
+    metrics, and at every checkpoint the rollback guard's verdict and the checkpoints (``progress`` moves).
+    With ``algo.keep_best`` the validation-best weights are kept apart and restored after the last iteration."""
     algo = cfg.algo
     ckpt_root, stable_root = run_dir / "checkpoints", run_dir / "checkpoints" / "stable"
+    best_root = ckpt_root / "best"
     window = [0.0, 0.0, 0.0]  # successes, episodes, summed returns since the last checkpoint (restart: new)
     iterations = logger.progress(
         range(progress.iteration, algo.iterations), total=algo.iterations - progress.iteration, desc="ppo"
@@ -327,12 +330,27 @@ def iterate(
             elif info.is_main and window[1] > 0:
                 rollback = guard.update(window[0 if goal else 2] / window[1], it + 1).rollback
             window = [0.0, 0.0, 0.0]
+            progress.deployed = it + 1
             if broadcast_flag(rollback, info, rt.device) and checkpoint.exists(stable_root):
-                restore_stable(stable_root, learner, rt, logger, progress.env_steps)
+                progress.deployed = restore_stable(stable_root, learner, rt, logger, progress.env_steps)
+            if (
+                algo.keep_best and info.is_main and guard.best_step == it + 1
+            ):  # a new best is never rolled back
+                save_weights(learner, cfg, best_root, it + 1)
+            last = it + 1 == algo.iterations
+            if (
+                last
+                and algo.keep_best
+                and broadcast_flag(guard.best_step != progress.deployed, info, rt.device)
+            ):
+                progress.deployed = restore_stable(
+                    best_root, learner, rt, logger, progress.env_steps, why="kept the validation best"
+                )
             if info.is_main:
                 save(learner, cfg, ckpt_root, stable_root, it + 1, guard, metrics, rollback,
                      extra={"env_steps": progress.env_steps, "bc_eval": progress.bc, "init": str(init_path),
-                            "guard_env_steps": progress.guard_steps, "protocol": protocol_of(cfg)})  # fmt: skip
+                            "guard_env_steps": progress.guard_steps, "protocol": protocol_of(cfg),
+                            "deployed": progress.deployed})  # fmt: skip
             barrier(info)
 
 
@@ -395,6 +413,7 @@ def summarize(
         "learner": cfg.algo.learner,
         "env_steps": progress.env_steps,
         "guard_env_steps": progress.guard_steps,  # the rollback guard's validation episodes
+        "deployed_iteration": progress.deployed,  # whose weights were evaluated (0: the pre-trained policy)
         "env_sps": round(progress.steps_timed / progress.seconds, 1) if progress.seconds > 0 else None,
         # this process's seconds by stage (collect and bc: 0 when the BC came from the cache)
         "time_split_s": {
@@ -482,18 +501,30 @@ def save(
         metrics=metrics, extra={**extra, **art_extra},
     )  # fmt: skip
     if not rollback:
-        save_policy(
-            stable_root, iteration, policy, env_cfg=cfg.env, policy_cfg=cfg.policy, extra_state=art_state,
-            extra={**art_extra, "protocol": extra["protocol"]}, keep=1,
-        )  # fmt: skip
+        save_weights(learner, cfg, stable_root, iteration)
 
 
-def restore_stable(stable_root: Path, learner: Learner, rt: Runtime, logger: Logger, step: int) -> None:
-    """Roll the trained weights back to the last stable checkpoint (every rank loads the same weights)."""
-    ckpt = checkpoint.load(stable_root, map_location=rt.device)
+def save_weights(learner: Learner, cfg: TrainConfig, root: Path, iteration: int) -> None:
+    """Write the policy alone (what a rollback or ``keep_best`` restores) as the one checkpoint under ``root``."""
+    art_state, art_extra = learner.artifact()
+    save_policy(
+        root, iteration, learner.saved_policy(), env_cfg=cfg.env, policy_cfg=cfg.policy, extra_state=art_state,
+        extra={**art_extra, "protocol": protocol_of(cfg)}, keep=1,
+    )  # fmt: skip
+
+
+def restore_stable(
+    root: Path, learner: Learner, rt: Runtime, logger: Logger, step: int, why: str = "rollback"
+) -> int:
+    """Load the trained weights of the checkpoint under ``root`` (the stable one, or the validation best)
+    on every rank; -> its iteration."""
+    ckpt = checkpoint.load(root, map_location=rt.device)
     learner.load_weights(ckpt.state)
     learner.on_rollback()
-    logger.event("rollback", f"policy restored from stable checkpoint {ckpt.path.name}", step)
+    event = "rollback" if why == "rollback" else "keep_best"
+    logger.event(event, f"policy restored from {root.name} checkpoint {ckpt.path.name} ({why})", step,
+                 to_step=ckpt.step)  # fmt: skip
+    return ckpt.step
 
 
 def artifacts(cfg: TrainConfig, run_dir: Path, policy: Any, rt: Runtime, success: bool = True) -> None:

@@ -449,3 +449,50 @@ def test_harm_to_the_deployed_policy_rolls_back_to_bc(tmp_path: Path, init_ckpt:
     end = checkpoint.load(tmp_path / "checkpoints").state["policy"]
     assert all(torch.equal(start[k], end[k]) for k in start), "the harmful update was not undone"
     assert not any(e.get("event") == "kl_stop" for e in map(json.loads, lines))  # the update was applied
+
+
+@pytest.mark.parametrize(("guard_returns", "deployed"), [((150.0, 120.0), 1), ((90.0, 95.0), 0)])
+def test_keep_best_deploys_the_best_checkpoint_on_validation(
+    tmp_path: Path, init_ckpt: Path, monkeypatch, guard_returns: tuple[float, float], deployed: int
+) -> None:
+    """algo.keep_best=true: after the last iteration the policy is the one the guard judged best on its
+    validation episodes (BC's own figure, 100, included), not the last one; the summary, the final checkpoint
+    and the evaluated weights agree. No verdict here rolls back (every value stays within 30 % of the best),
+    so only keep_best can move the weights: to iteration 1's, or back to BC when no update beat it."""
+    from diffpolicy import train
+    from diffpolicy.evaluation import EvalResult
+
+    verdicts = iter(guard_returns)
+
+    def fake_held_out(policy, cfg, runtime, split="test", episodes=0, **_):
+        n = episodes or (cfg.val_episodes if split == "val" else cfg.eval_episodes)
+        ret = next(verdicts) if episodes else 100.0  # the guard asks for its n; BC and the end ask for all
+        return EvalResult(
+            0.0, ret, n, n, [False] * n, ["failed"] * n, returns=[ret] * n, reports_success=False
+        )
+
+    monkeypatch.setattr(train, "held_out", fake_held_out)
+    cfg = compose("train", [*TINY_RUN, *TINY_POLICY, f"policy.init={init_ckpt}", "algo.iterations=2",
+                            "algo.rollback_episodes=2", "algo.keep_best=true", "val_episodes=2",
+                            "algo.lr=1e-2", "algo.target_kl=0", "video_episodes=0"])  # fmt: skip
+    summary = train.main(cfg, tmp_path)
+    assert summary["deployed_iteration"] == deployed
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    events = [e for e in map(json.loads, lines) if e.get("event") in ("rollback", "keep_best")]
+    assert [(e["event"], e["to_step"]) for e in events] == [("keep_best", deployed)]
+    root = tmp_path / "checkpoints"
+    weights = {
+        0: checkpoint.load(init_ckpt).state["policy"],
+        1: checkpoint.load(root / "step_00000001").state["policy"],
+    }
+    final = checkpoint.load(root)
+    assert final.step == 2 and final.extra["deployed"] == deployed
+    assert all(torch.equal(final.state["policy"][k], weights[deployed][k]) for k in weights[deployed])
+    other = weights[1 - deployed]
+    assert not all(torch.equal(final.state["policy"][k], other[k]) for k in other), "the update moved nothing"
+
+
+def test_keep_best_needs_validation_episodes() -> None:
+    """Early stopping chooses on validation episodes only: without them the config is refused, in one line."""
+    with pytest.raises(ValueError, match="set algo.rollback_episodes > 0"):
+        compose("train", [*TINY_RUN, "algo.keep_best=true"])

@@ -40,6 +40,10 @@ class LearnerConfig:
     """What the rollback guard judges at each checkpoint: 0, the training rollouts' episodes since the last
     checkpoint (seeds 10 000 000 + ..., free); n > 0, n validation episodes (seeds ``val_seed`` + i, the same
     n every time, the held-out protocol), at the cost of their env steps, which the summary counts apart."""
+    keep_best: bool = False
+    """Early stopping on validation: deploy the checkpoint the guard judged best on its validation episodes
+    (the pre-trained policy included), not the last one. Needs ``rollback_episodes`` > 0: a choice is made on
+    validation seeds only, never on the training rollouts or the test split."""
 
     learner: ClassVar[str] = "chain"
     """Which learner of ``diffpolicy/rl/`` runs: chain (PPO on the last K' denoising steps, DPPO) | residual
@@ -57,6 +61,10 @@ class LearnerConfig:
         _positive("algo.lr", self.lr)
         _positive("algo.max_grad_norm", self.max_grad_norm, allow_zero=True)
         _unit("algo.rollback_drop", self.rollback_drop)
+        if self.keep_best and not self.rollback_episodes:
+            raise ValueError(
+                "algo.keep_best=true selects on validation episodes: set algo.rollback_episodes > 0"
+            )
 
 
 @dataclass
