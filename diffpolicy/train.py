@@ -332,20 +332,15 @@ def iterate(
             window = [0.0, 0.0, 0.0]
             progress.deployed = it + 1
             if broadcast_flag(rollback, info, rt.device) and checkpoint.exists(stable_root):
-                progress.deployed = restore_stable(stable_root, learner, rt, logger, progress.env_steps)
-            if (
-                algo.keep_best and info.is_main and guard.best_step == it + 1
-            ):  # a new best is never rolled back
+                progress.deployed = restore_weights(stable_root, learner, rt, logger, progress.env_steps)
+            new_best = info.is_main and guard.best_step == it + 1  # a new best is never rolled back
+            if algo.keep_best and new_best:
                 save_weights(learner, cfg, best_root, it + 1)
-            last = it + 1 == algo.iterations
-            if (
-                last
-                and algo.keep_best
-                and broadcast_flag(guard.best_step != progress.deployed, info, rt.device)
-            ):
-                progress.deployed = restore_stable(
-                    best_root, learner, rt, logger, progress.env_steps, why="kept the validation best"
-                )
+            if algo.keep_best and it + 1 == algo.iterations:  # early stopping: deploy the validation best
+                if broadcast_flag(guard.best_step != progress.deployed, info, rt.device):
+                    progress.deployed = restore_weights(
+                        best_root, learner, rt, logger, progress.env_steps, event="keep_best"
+                    )
             if info.is_main:
                 save(learner, cfg, ckpt_root, stable_root, it + 1, guard, metrics, rollback,
                      extra={"env_steps": progress.env_steps, "bc_eval": progress.bc, "init": str(init_path),
@@ -513,17 +508,17 @@ def save_weights(learner: Learner, cfg: TrainConfig, root: Path, iteration: int)
     )  # fmt: skip
 
 
-def restore_stable(
-    root: Path, learner: Learner, rt: Runtime, logger: Logger, step: int, why: str = "rollback"
+def restore_weights(
+    root: Path, learner: Learner, rt: Runtime, logger: Logger, step: int, event: str = "rollback"
 ) -> int:
-    """Load the trained weights of the checkpoint under ``root`` (the stable one, or the validation best)
-    on every rank; -> its iteration."""
+    """Load the trained weights of the checkpoint under ``root`` (``stable``: a rollback; ``best``: the
+    validation best, event ``keep_best``) on every rank; -> its iteration."""
     ckpt = checkpoint.load(root, map_location=rt.device)
     learner.load_weights(ckpt.state)
     learner.on_rollback()
-    event = "rollback" if why == "rollback" else "keep_best"
-    logger.event(event, f"policy restored from {root.name} checkpoint {ckpt.path.name} ({why})", step,
-                 to_step=ckpt.step)  # fmt: skip
+    logger.event(
+        event, f"policy restored from {root.name} checkpoint {ckpt.path.name}", step, to_step=ckpt.step
+    )
     return ckpt.step
 
 
