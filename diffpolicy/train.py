@@ -157,7 +157,8 @@ class Progress:
     """This process's seconds of env stepping, policy sampling and updates."""
     stages: dict[str, float] = field(default_factory=dict)
     """This process's seconds outside the iterations: ``collect`` and ``bc`` (when the BC was not cached),
-    ``bc_eval`` (BC's held-out evaluation, when not restored from a checkpoint), ``eval`` (the final one)."""
+    ``bc_eval`` (BC's held-out evaluation, when not restored from a checkpoint), ``guard`` (the rollback guard's
+    validation episodes), ``eval`` (the final one)."""
 
 
 def fine_tune(
@@ -320,8 +321,10 @@ def iterate(
             # episodes since the last checkpoint (none ended: no verdict); success, or the mean return
             rollback = False
             if info.is_main and algo.rollback_episodes:
+                t_guard = time.perf_counter()
                 judged = held_out(learner.policy, cfg, rt, "val", algo.rollback_episodes)
                 progress.guard_steps += judged.env_steps
+                progress.stages["guard"] = progress.stages.get("guard", 0.0) + time.perf_counter() - t_guard
                 value = judged.success_rate if goal else judged.mean_return
                 logger.log(
                     {f"val/guard_{'success_rate' if goal else 'return'}": value}, step=progress.env_steps
@@ -416,6 +419,9 @@ def summarize(
             "env": round(progress.split[0], 1),
             "policy": round(progress.split[1], 1),
             "update": round(progress.split[2], 1),
+            "guard": round(
+                progress.stages.get("guard", 0.0), 1
+            ),  # this run's guard evaluations (not resumed)
             "eval": round(progress.stages.get("eval", 0.0), 1),
         },
         "iterations": cfg.algo.iterations,

@@ -382,6 +382,7 @@ def test_rollback_guard_can_judge_validation_episodes(tmp_path: Path, init_ckpt:
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "val/guard_success_rate" in r]
     assert len(rows) == 3 and all(0.0 <= r["val/guard_success_rate"] <= 1.0 for r in rows)
     assert summary["guard_env_steps"] >= 3 * 2  # three checks of two episodes, at least a step each
+    assert summary["time_split_s"]["guard"] > 0  # their seconds, apart from the iterations'
     with pytest.raises(ValueError, match="overlap the test seeds"):
         compose("train", [*TINY_RUN, "algo.rollback_episodes=2000000", "val_episodes=2"])
 
@@ -405,7 +406,7 @@ def test_a_run_is_the_same_from_an_empty_and_from_a_warm_cache(tmp_path: Path) -
         k: v for k, v in warm.items() if k not in volatile
     }
     # the time split names every stage; collection and BC ran in the cold run only
-    stages = ("collect", "bc", "bc_eval", "env", "policy", "update", "eval")
+    stages = ("collect", "bc", "bc_eval", "env", "policy", "update", "guard", "eval")
     cold_s, warm_s = cold["time_split_s"], warm["time_split_s"]
     assert tuple(cold_s) == stages and tuple(warm_s) == stages
     assert cold_s["collect"] > 0 and cold_s["bc"] > 0 and warm_s["collect"] == warm_s["bc"] == 0.0
