@@ -70,13 +70,16 @@ def test_env_hopper_departs_from_dppo_gym_in_the_actor_lr_alone(compose) -> None
 def test_env_metaworld_brings_its_learner_and_protocol_and_the_command_line_wins(name: str, compose) -> None:
     """env=metaworld fine-tunes with algo=dppo_success (DPPO's settings, the success reward, 44 iterations) and
     judges BC and the fine-tuned policy noise-free in train and pretrain alike; train reports DPPO's protocol
-    beside it on 100 test episodes and chooses on 50 validation ones. A learner named on the command line wins."""
+    beside it on 100 test episodes and chooses on 50 validation ones, where its guard also picks the checkpoint it
+    deploys (keep_best). A learner named on the command line wins."""
     cfg = compose(name, ["env=metaworld", "env.task=push"])
     assert (cfg.algo.name, cfg.algo.reward, cfg.algo.iterations, cfg.eval_protocol) == (
         "dppo_success", "success", 44, "noise_free",
     )  # fmt: skip
     if name == "train":
         assert (cfg.report_protocols, cfg.eval_episodes, cfg.val_episodes) == (["dppo"], 100, 50)
+        # early stopping on the 50 validation episodes, judged every 4 iterations
+        assert (cfg.algo.rollback_episodes, cfg.algo.keep_best, cfg.checkpoint_every) == (50, True, 4)
     cfg = compose(name, ["env=metaworld", "env.task=push", "algo=filtered_bc", "eval_protocol=exploration"])
     assert (cfg.algo.name, cfg.eval_protocol) == ("filtered_bc", "exploration")
 

@@ -204,14 +204,15 @@ def test_demonstrations_count_successes(tmp_path: Path) -> None:
 
 def test_tiny_metaworld_run(tmp_path: Path) -> None:
     """The user's command with tiny sizes, from an empty cache: Meta-World's expert -> multimodal BC -> one
-    iteration of env=metaworld's learner (the chain with the success reward) -> validation and test evaluations
-    (noise-free, DPPO's protocol beside), each split named in the summary."""
+    iteration of env=metaworld's learner (the chain with the success reward; its guard on validation episodes,
+    keep_best) -> validation and test evaluations (noise-free, DPPO's protocol beside), each split named in the
+    summary."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "diffpolicy.train", "env=metaworld", "env.task=button-press",
            "env.num_envs=2", "env.vectorization=sync", "env.image_size=32", "env.n_points=64",
            "bc.n_demos=2", "bc.steps=2", "policy.down_dims=[32,64]", "policy.ddim_steps=4",
            "algo.iterations=1", "algo.n_steps=3", "algo.minibatch_size=3", "algo.update_epochs=1",
-           "algo.ft_steps=2", "eval_episodes=2", "val_episodes=2",
+           "algo.ft_steps=2", "algo.rollback_episodes=2", "eval_episodes=2", "val_episodes=2",
            "video_episodes=0", "log.progress=false", "log.tensorboard=false",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]  # fmt: skip
     out = subprocess.run(
@@ -227,6 +228,8 @@ def test_tiny_metaworld_run(tmp_path: Path) -> None:
     assert set(summary["failures"]["ppo"]) <= {"never_reached", "never_grasped", "timed_out"}
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("val/success_rate" in r for r in rows) and any("eval/success_rate" in r for r in rows)
+    # the guard judged the deployed policy on validation episodes, and keep_best deployed BC or iteration 1
+    assert any("val/guard_success_rate" in r for r in rows) and summary["deployed_iteration"] in (0, 1)
 
 
 def test_farthest_points_against_a_looped_reference() -> None:
