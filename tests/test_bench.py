@@ -73,8 +73,8 @@ def test_env_benchmark_tiny(keep_threads) -> None:
         "physics_sps",
     ]
     assert _finite_positive(*(out[k] for k in keys)), out
-    # the state step is its physics plus Python: slower than the physics replayed alone
-    assert math.isfinite(out["state_over_physics"]) and out["state_over_physics"] > 0.5
+    # the ratio is reported; how large it is is the benchmark's finding, not a test's (a loaded machine moves it)
+    assert _finite_positive(out["state_over_physics"])
     if "metaworld_task" in out:  # the metaworld extra is installed
         assert _finite_positive(
             out["metaworld_state_sps"], out["metaworld_replan_sps"], out["metaworld_full_sps"]
@@ -262,8 +262,8 @@ def test_sampler_and_bc_step_time_the_peer_in_the_same_run(fake_peer: Path, keep
     out = sampler(repeats=1, threads=1, backend="fast", ks=[2], sizes=["small"], horizons=[16], warmup=0,
                   eager=False, peer=str(fake_peer))  # fmt: skip
     assert _finite_positive(out["peer_ms"]["small_t16_k2"], out["small_t16_k2_ms"])
-    assert out["speedup_vs_peer"]["small_t16_k2"] == pytest.approx(
-        out["peer_ms"]["small_t16_k2"] / out["small_t16_k2_ms"], rel=1e-2
+    assert out["speedup_vs_peer"]["small_t16_k2"] == pytest.approx(  # reported to 3 decimals
+        out["peer_ms"]["small_t16_k2"] / out["small_t16_k2_ms"], rel=1e-2, abs=1e-3
     )
     assert out["min_speedup_vs_peer"] == out["speedup_vs_peer"]["small_t16_k2"]
     out = bc_step(repeats=1, warmup=0, batches=[8], reference=8, peer=str(fake_peer))
