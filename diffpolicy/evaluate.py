@@ -111,6 +111,8 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "env_steps": result.env_steps,
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,
+        # whose weights these are: a train checkpoint of algo.keep_best deploys an earlier iteration's (0: BC)
+        "deployed_iteration": int(ckpt.extra.get("deployed", ckpt.step)),
         "split": cfg.split,  # test: the seeds of train's reported figure; val: the seeds choices are made on
         "first_seed": cfg.eval_seed,
         "num_envs": num_envs,

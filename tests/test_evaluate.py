@@ -174,6 +174,7 @@ def test_evaluate_says_what_train_said(tmp_path, monkeypatch, act_calls):
     cfg = EvaluateConfig(checkpoint=str(root), n_episodes=2, num_envs=2, video_episodes=0)
     summary = evaluate.main(cfg, tmp_path / "a")
     assert (summary["protocol"], summary["protocol_from"]) == ("noise_free", "checkpoint")
+    assert (summary["step"], summary["deployed_iteration"]) == (5, 5)  # no keep_best record: its own step
     assert calls and all(calls)
     calls.clear()
     summary = evaluate.main(EvaluateConfig(**{**cfg.__dict__, "deterministic": False}), tmp_path / "b")
@@ -192,6 +193,18 @@ def test_evaluate_says_what_train_said(tmp_path, monkeypatch, act_calls):
     assert (summary["protocol"], summary["protocol_from"]) == ("dppo", "override")
     assert calls and not any(calls)  # sampled, with the natural stds: none at the last step, floor 1e-3
     assert stds and all(float(s[-1]) == 0.0 and float(s[:-1].min()) >= 1e-3 for s in stds)
+
+
+def test_evaluate_names_the_iteration_a_keep_best_checkpoint_deploys(tmp_path):
+    """train with algo.keep_best writes its last checkpoint with an earlier iteration's weights and records
+    which (``deployed``); evaluate's summary says so beside the checkpoint's step."""
+    from diffpolicy import evaluate
+
+    root = tmp_path / "checkpoints"
+    save_policy(root, 44, _small_policy(), env_cfg=REACH, policy_cfg=SMALL, extra={"deployed": 36})
+    cfg = EvaluateConfig(checkpoint=str(root), n_episodes=1, num_envs=1, video_episodes=0)
+    summary = evaluate.main(cfg, tmp_path / "run")
+    assert (summary["step"], summary["deployed_iteration"]) == (44, 36)
 
 
 def test_evaluate_runs_in_the_checkpoints_waves_unless_told(tmp_path):
