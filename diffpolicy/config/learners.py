@@ -42,8 +42,9 @@ class LearnerConfig:
     n every time, the held-out protocol), at the cost of their env steps, which the summary counts apart."""
     keep_best: bool = False
     """Early stopping on validation: deploy the checkpoint the guard judged best on its validation episodes
-    (the pre-trained policy included), not the last one. Needs ``rollback_episodes`` > 0: a choice is made on
-    validation seeds only, never on the training rollouts or the test split."""
+    (the pre-trained policy included when ``val_episodes`` >= ``rollback_episodes``: BC's own figure on them is
+    the first verdict), not the last one. Needs ``rollback_episodes`` > 0: a choice is made on validation seeds
+    only, never on the training rollouts or the test split."""
 
     learner: ClassVar[str] = "chain"
     """Which learner of ``diffpolicy/rl/`` runs: chain (PPO on the last K' denoising steps, DPPO) | residual
