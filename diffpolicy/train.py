@@ -336,8 +336,7 @@ def iterate(
             progress.deployed = it + 1
             if broadcast_flag(rollback, info, rt.device) and checkpoint.exists(stable_root):
                 progress.deployed = restore_weights(stable_root, learner, rt, logger, progress.env_steps)
-            new_best = info.is_main and guard.best_step == it + 1  # a new best is never rolled back
-            if algo.keep_best and new_best:
+            if algo.keep_best and info.is_main and guard.best_step == it + 1:  # a new best never rolls back
                 save_weights(learner, cfg, best_root, it + 1)
             if algo.keep_best and it + 1 == algo.iterations:  # early stopping: deploy the validation best
                 if broadcast_flag(guard.best_step != progress.deployed, info, rt.device):
@@ -419,9 +418,8 @@ def summarize(
             "env": round(progress.split[0], 1),
             "policy": round(progress.split[1], 1),
             "update": round(progress.split[2], 1),
-            "guard": round(
-                progress.stages.get("guard", 0.0), 1
-            ),  # this run's guard evaluations (not resumed)
+            # the guard's validation episodes in this process (a resumed run counts from its restart)
+            "guard": round(progress.stages.get("guard", 0.0), 1),
             "eval": round(progress.stages.get("eval", 0.0), 1),
         },
         "iterations": cfg.algo.iterations,
