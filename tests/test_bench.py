@@ -266,9 +266,12 @@ def test_sampler_and_bc_step_time_the_peer_in_the_same_run(fake_peer: Path, keep
         out["peer_ms"]["small_t16_k2"] / out["small_t16_k2_ms"], rel=1e-2, abs=1e-3
     )
     assert out["min_speedup_vs_peer"] == out["speedup_vs_peer"]["small_t16_k2"]
-    out = bc_step(repeats=1, warmup=0, batches=[8], reference=8, peer=str(fake_peer))
+    out = bc_step(repeats=1, warmup=0, batches=[8], reference=8, peer=str(fake_peer), floor=True)
     row = out["batches"]["8"]
-    assert _finite_positive(row["peer_s_per_step"], row["speedup_vs_peer"])
+    assert _finite_positive(row["peer_s_per_step"], row["speedup_vs_peer"], row["floor_speedup_vs_peer"])
+    assert row["floor_speedup_vs_peer"] == pytest.approx(
+        row["peer_s_per_step"] / row["floor_s_per_step"], rel=0.1
+    )
     # both times are rounded to 0.1 ms in the report; the ratio is of the unrounded medians
     assert row["speedup_vs_peer"] == pytest.approx(row["peer_s_per_step"] / row["s_per_step"], rel=0.1)
 

@@ -272,6 +272,31 @@ def test_bc_step_benchmark_reports_each_batch_against_the_reference() -> None:
     assert all(r["s_per_step"] > 0 and r["ms_per_window"] > 0 for r in out["batches"].values())
     with pytest.raises(ValueError, match="bc_step takes"):
         run(repeats=1, batch=8)
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        run(repeats=1, precision="fp16")
+
+
+def test_bc_step_benchmark_floor_keeps_only_the_convolutions() -> None:
+    """bench bc_step floor=true: the floor network is the real one with every convolution block reduced to its
+    convolution (its GroupNorm and Mish no longer touch the output), timed beside the real step, under bf16
+    autocast when asked."""
+    from diffpolicy.benchmarks.bc_step import _policy, run
+    from diffpolicy.config import PolicyConfig
+    from diffpolicy.models.unet1d import Conv1dBlock
+
+    cfg = PolicyConfig(horizon=8, down_dims=[16, 32], n_groups=4, step_embed_dim=16, cond_dim=16)
+    real, bare = _policy(cfg), _policy(cfg, floor=True)
+    blocks = [m for m in bare.modules() if isinstance(m, Conv1dBlock)]
+    assert blocks and all(type(m) is not Conv1dBlock for m in blocks)
+    x = torch.randn(3, blocks[0].conv.in_channels, 8)
+    assert torch.equal(blocks[0](x), blocks[0].conv(x))
+    twin = dict(real.named_modules())[next(n for n, m in bare.named_modules() if m is blocks[0])]
+    assert type(twin) is Conv1dBlock and not torch.allclose(
+        twin(x), twin.conv(x)
+    )  # the real block normalises
+    out = run(repeats=1, warmup=0, batches=[8], reference=8, floor=True, precision="bf16", horizon=8)
+    row = out["batches"]["8"]
+    assert out["precision"] == "bf16" and row["floor_s_per_step"] > 0 and row["s_per_step"] > 0
 
 
 # ------------------------------------------------------------------------------- direction of each update

@@ -15,10 +15,18 @@ times the peer's training step at the same U-Net dims, chunk and batch, as its l
 normalised observation as global condition: no encoder, where this project's step also runs its state
 encoder; DDPM noise-prediction loss, AdamW, cosine schedule, its EMAModel): per batch ``peer_s_per_step`` and
 ``speedup_vs_peer`` (the peer's seconds over ours); ``peer`` says why the row is absent otherwise.
+
+Two levers that BC does not take, each measured in the same rounds: ``precision=bf16`` runs both steps (ours
+and the peer's) under CPU bf16 autocast; ``floor=true`` also times our step with every convolution block
+reduced to its convolution (no GroupNorm, no Mish), without gradient clipping and the EMA, and with fused
+AdamW (``floor_s_per_step``, ``floor_speedup_vs_peer``): a network that cannot be trained, but the same
+convolutions, linears and attention, so no fusion of the work it leaves out can make the real step faster
+than it. It says how much of the gap to a goal any kernel work could close.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -29,38 +37,69 @@ import torch
 from diffpolicy.bc import adamw, ema_update
 from diffpolicy.benchmarks import peer as peer_lib
 from diffpolicy.config import PolicyConfig
+from diffpolicy.models.unet1d import Conv1dBlock
 from diffpolicy.policy_io import build_policy
 
 STATE_DIM, ACTION_DIM, HORIZON = 34, 7, 16
 """MujocoPick-v0's state observation, its action and the default chunk length."""
 
 
-def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
-    """Seconds per BC step at each batch size (kwargs: ``batches`` ([32, 64, 128]), ``reference`` (128),
-    ``warmup`` (2), ``horizon`` (16), ``fused`` (False: AdamW's fused kernel, a lever BC does not take),
-    ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
-    batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
-    reference = int(kwargs.pop("reference", 128))
-    warmup = int(kwargs.pop("warmup", 2))
-    horizon = int(kwargs.pop("horizon", HORIZON))
-    peer_path = kwargs.pop("peer", None)
-    fused = bool(kwargs.pop("fused", False))
-    if kwargs:
-        raise ValueError(
-            f"bc_step takes batches, reference, warmup, horizon, fused and peer; got {sorted(kwargs)}"
-        )
-    skipped = peer_lib.missing(peer_path)
-    if reference not in batches:
-        batches.append(reference)
+class _ConvOnly(Conv1dBlock):
+    """A :class:`Conv1dBlock` whose GroupNorm and Mish cost nothing (``floor=true``): its convolution alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+def _policy(cfg: PolicyConfig, floor: bool = False) -> Any:
+    """The state task's policy (seeded, normalisers fitted, training mode); ``floor``: every
+    :class:`Conv1dBlock` reduced to its convolution."""
     torch.manual_seed(0)
-    cfg = PolicyConfig(horizon=horizon)
     policy = build_policy(cfg, {"state": [STATE_DIM]}, ACTION_DIM, text_backend="hash")
     g = torch.Generator().manual_seed(0)
     policy.fit_normalizers(
         actions=torch.rand(512, ACTION_DIM, generator=g) * 2 - 1,
         state=torch.randn(512, STATE_DIM, generator=g),
     )
-    policy.train()
+    if floor:
+        for module in policy.modules():
+            if type(module) is Conv1dBlock:
+                module.__class__ = _ConvOnly
+    return policy.train()
+
+
+def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
+    """Seconds per BC step at each batch size (kwargs: ``batches`` ([32, 64, 128]), ``reference`` (128),
+    ``warmup`` (2), ``horizon`` (16), ``fused`` (False: AdamW's fused kernel, a lever BC does not take),
+    ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the floor, see the
+    module docstring), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
+    batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
+    reference = int(kwargs.pop("reference", 128))
+    warmup = int(kwargs.pop("warmup", 2))
+    horizon = int(kwargs.pop("horizon", HORIZON))
+    peer_path = kwargs.pop("peer", None)
+    fused = bool(kwargs.pop("fused", False))
+    precision = str(kwargs.pop("precision", "fp32"))
+    floor = bool(kwargs.pop("floor", False))
+    if kwargs:
+        raise ValueError(
+            "bc_step takes batches, reference, warmup, horizon, fused, precision, floor and peer; "
+            f"got {sorted(kwargs)}"
+        )
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"bc_step precision={precision!r}: fp32 | bf16")
+    skipped = peer_lib.missing(peer_path)
+    if reference not in batches:
+        batches.append(reference)
+
+    def autocast() -> contextlib.AbstractContextManager:
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    cfg = PolicyConfig(horizon=horizon)
+    policy = _policy(cfg)
+    g = torch.Generator().manual_seed(0)
     ema = copy.deepcopy(policy).eval()
     params = [p for p in policy.parameters() if p.requires_grad]
     optim = adamw(params, 3e-4, fused=fused)
@@ -75,13 +114,30 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     def step(b: int) -> float:
         obs, actions = data[b]
         start = time.perf_counter()
-        loss = policy.bc_loss(obs, actions, generator=g)
+        with autocast():
+            loss = policy.bc_loss(obs, actions, generator=g)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 10.0)
         optim.step()
         ema_update(ema, policy, 0.995)
         return time.perf_counter() - start
+
+    floor_step = None
+    if floor:
+        bare = _policy(cfg, floor=True)
+        bare_params = [p for p in bare.parameters() if p.requires_grad]
+        bare_optim = adamw(bare_params, 3e-4, fused=True)
+
+        def floor_step(b: int) -> float:
+            obs, actions = data[b]
+            start = time.perf_counter()
+            with autocast():
+                loss = bare.bc_loss(obs, actions, generator=g)
+            bare_optim.zero_grad(set_to_none=True)
+            loss.backward()
+            bare_optim.step()
+            return time.perf_counter() - start
 
     peer_step = None
     if not skipped:
@@ -93,19 +149,24 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         def peer_step(b: int) -> float:
             obs, actions = data[b]
             start = time.perf_counter()
-            peer_update(obs["state"], actions)
+            with autocast():
+                peer_update(obs["state"], actions)
             return time.perf_counter() - start
 
     times: dict[int, list[float]] = {b: [] for b in batches}
     peer_times: dict[int, list[float]] = {b: [] for b in batches}
+    floor_times: dict[int, list[float]] = {b: [] for b in batches}
     for r in range(warmup + repeats):
         for b in batches:
             t = step(b)
             t_peer = peer_step(b) if peer_step else None
+            t_floor = floor_step(b) if floor_step else None
             if r >= warmup:
                 times[b].append(t)
                 if t_peer is not None:
                     peer_times[b].append(t_peer)
+                if t_floor is not None:
+                    floor_times[b].append(t_floor)
     ref = statistics.median(times[reference])
     rows = {
         str(b): {
@@ -117,6 +178,10 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     }
     out = {"policy": cfg.name, "horizon": horizon, "reference_batch": reference, "batches": rows}
     out["adamw_fused"] = bool(optim.defaults.get("fused"))
+    out["precision"] = precision
+    if floor_step is not None:
+        for b in batches:
+            rows[str(b)]["floor_s_per_step"] = round(statistics.median(floor_times[b]), 4)
     if peer_step is None:
         out["peer"] = skipped
         return out
@@ -127,5 +192,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         peer_s = statistics.median(peer_times[b])
         rows[str(b)]["peer_s_per_step"] = round(peer_s, 4)
         rows[str(b)]["speedup_vs_peer"] = round(peer_s / statistics.median(times[b]), 3)
+        if floor_step is not None:
+            rows[str(b)]["floor_speedup_vs_peer"] = round(peer_s / statistics.median(floor_times[b]), 3)
     out["min_speedup_vs_peer"] = min(r["speedup_vs_peer"] for r in rows.values())
     return out
