@@ -111,33 +111,32 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         for b in batches
     }
 
-    def step(b: int) -> float:
-        obs, actions = data[b]
-        start = time.perf_counter()
-        with autocast():
-            loss = policy.bc_loss(obs, actions, generator=g)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 10.0)
-        optim.step()
-        ema_update(ema, policy, 0.995)
-        return time.perf_counter() - start
+    def timed(model: Any, optim: torch.optim.Optimizer, average: Any = None) -> Any:
+        """``step(b) -> seconds`` of one BC step of ``model``; with ``average`` (the EMA copy) the step also
+        clips the gradients and updates the EMA, as BC does (the floor does neither)."""
+        params = [p for p in model.parameters() if p.requires_grad]
 
-    floor_step = None
-    if floor:
-        bare = _policy(cfg, floor=True)
-        bare_params = [p for p in bare.parameters() if p.requires_grad]
-        bare_optim = adamw(bare_params, 3e-4, fused=True)
-
-        def floor_step(b: int) -> float:
+        def step(b: int) -> float:
             obs, actions = data[b]
             start = time.perf_counter()
             with autocast():
-                loss = bare.bc_loss(obs, actions, generator=g)
-            bare_optim.zero_grad(set_to_none=True)
+                loss = model.bc_loss(obs, actions, generator=g)
+            optim.zero_grad(set_to_none=True)
             loss.backward()
-            bare_optim.step()
+            if average is not None:
+                torch.nn.utils.clip_grad_norm_(params, 10.0)
+            optim.step()
+            if average is not None:
+                ema_update(average, model, 0.995)
             return time.perf_counter() - start
+
+        return step
+
+    step = timed(policy, optim, ema)
+    floor_step = None
+    if floor:
+        bare = _policy(cfg, floor=True)
+        floor_step = timed(bare, adamw([p for p in bare.parameters() if p.requires_grad], 3e-4, fused=True))
 
     peer_step = None
     if not skipped:
