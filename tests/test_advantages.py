@@ -1,7 +1,9 @@
-"""Advantages: GAE through the op against a hand case and a looped reference; GRPO; discount; normalise."""
+"""Advantages: GAE through the op against a hand case and a looped reference; GRPO; discount; normalise
+(per minibatch and over the rollout)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from diffpolicy.rl.advantages import (
     gae_loop_reference,
     grpo_advantages,
     normalize,
+    normalize_rollout,
 )
 
 
@@ -90,6 +93,29 @@ def test_normalize() -> None:
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.mean(), torch.tensor(0.0), atol=1e-6, rtol=0)
     torch.testing.assert_close(y.std(), torch.tensor(1.0), atol=1e-5, rtol=0)
+
+
+def test_normalize_rollout_matches_a_masked_numpy_reference() -> None:
+    """algo.norm_adv=batch: one mean and std (Bessel-corrected) over the valid entries; invalid ones are 0."""
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(6, 4, generator=g, dtype=torch.float64) * 3 + 1
+    valid = (torch.rand(6, 4, generator=g) > 0.3).float()
+    out = normalize_rollout(adv, valid)
+    kept = adv.numpy()[valid.numpy() > 0]
+    want = (adv.numpy() - kept.mean()) / (kept.std(ddof=1) + 1e-8) * valid.numpy()
+    assert out.dtype == torch.float32
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(normalize_rollout(adv), normalize(adv))  # no mask: the plain standardisation
+
+
+def test_normalize_rollout_keeps_a_small_spread_small() -> None:
+    """The point of batch standardisation: decisions whose advantages barely differ (a spread the critic has
+    explained) stay small beside ones that differ a lot, where per-minibatch standardisation scales both to 1."""
+    big = torch.tensor([2.0, -2.0, 1.5, -1.5])
+    small = 1e-3 * torch.tensor([1.0, -1.0, 0.5, -0.5])
+    out = normalize_rollout(torch.stack([big, small]))  # (2, 4): two "minibatches"
+    assert out[1].abs().max() < 1e-2 * out[0].abs().min()
+    assert normalize(small).std() == pytest.approx(1.0, rel=1e-4)  # per minibatch: the noise becomes unit
 
 
 def test_denoise_discount_weights_final_step_one() -> None:

@@ -282,6 +282,7 @@ def _update(
     critic_input: str = "cond",
     returns: torch.Tensor | None = None,
     critic_lr: float = 1e-3,
+    norm_adv: str = "minibatch",
 ) -> tuple[dict, dict, dict, ChainModules]:
     """One ppo_update on a filled toy rollout: (metrics, weights before, weights after, learner); ``adv``
     (T, N) replaces the random advantages, ``buffer_out`` receives the buffer, ``critic_input`` and
@@ -299,7 +300,7 @@ def _update(
         adv = torch.randn(T, N, generator=torch.Generator().manual_seed(9))
     if buffer_out is not None:
         buffer_out.append(buffer)
-    cfg = ChainConfig(update_epochs=epochs, minibatch_size=8, target_kl=target_kl, lr=lr)
+    cfg = ChainConfig(update_epochs=epochs, minibatch_size=8, target_kl=target_kl, lr=lr, norm_adv=norm_adv)
     metrics = ppo_update(
         learner, buffer, adv, torch.zeros(T, N) if returns is None else returns, cfg,
         clip_eps=torch.full((KP,), 0.01),
@@ -328,14 +329,17 @@ def test_small_steps_pass_the_bound() -> None:
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("norm_adv", ["minibatch", "batch", "none"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_the_update_moves_the_chain_toward_positive_advantages(sign: float) -> None:
+def test_the_update_moves_the_chain_toward_positive_advantages(sign: float, norm_adv: str) -> None:
     """Direction: on a fixed batch, decisions with a positive advantage become likelier under the updated
     chain and those with a negative one less likely (summed over the K' stored transitions); flipping every
-    advantage flips the movement. A learner with the surrogate's sign wrong fails this."""
+    advantage flips the movement, whichever way the advantages are standardised. A learner with the
+    surrogate's sign wrong fails this."""
     adv = sign * torch.tensor([[1.0, 1.0, -1.0, -1.0], [1.0, 1.0, -1.0, -1.0]])  # (T, N)
     box: list = []
-    _, before, after, learner = _update(lr=1e-5, target_kl=0.0, adv=adv, epochs=1, buffer_out=box)
+    _, before, after, learner = _update(lr=1e-5, target_kl=0.0, adv=adv, epochs=1, buffer_out=box,
+                                        norm_adv=norm_adv)  # fmt: skip
     data = box[0].get()
     chains, cond = data["chains"].flatten(0, 1), data["cond"].flatten(0, 1)  # (T N, K'+1, Ta, Da), (T N, C)
     policy = learner.policy

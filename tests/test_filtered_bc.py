@@ -358,9 +358,10 @@ def test_a_filtered_round_moves_the_policy_toward_the_kept_episode_not_the_faile
     assert float(after.mean()) > 0.3
 
 
-def _fpo_fell(adv: torch.Tensor) -> torch.Tensor:
+def _fpo_fell(adv: torch.Tensor, norm_adv: str = "minibatch") -> torch.Tensor:
     """(T, N) fall of each stored chunk's denoising loss after one ``FPOLearner.update`` with advantages
-    ``adv`` from the same start, on the update's own draws: FPO's log-ratio (> 0: likelier)."""
+    ``adv`` (standardised as ``norm_adv`` says) from the same start, on the update's own draws: FPO's
+    log-ratio (> 0: likelier)."""
     from types import SimpleNamespace
 
     from test_chain_faithful import toy_rollout
@@ -375,7 +376,8 @@ def _fpo_fell(adv: torch.Tensor) -> torch.Tensor:
     T, N = adv.shape
     buffer = toy_rollout(policy, T, N)
     learner = object.__new__(FPOLearner)
-    algo = FPOConfig(update_epochs=1, minibatch_size=T * N, mc_draws=8, lr=1e-4, clip_eps=0.2, target_kl=0.0)
+    algo = FPOConfig(update_epochs=1, minibatch_size=T * N, mc_draws=8, lr=1e-4, clip_eps=0.2, target_kl=0.0,
+                     norm_adv=norm_adv)  # fmt: skip
     learner.cfg, learner.rt, learner.info = SimpleNamespace(algo=algo), _runtime(), DistInfo()
     learner.policy, learner.buffer, learner._last = policy, buffer, (adv, torch.zeros(T, N))
     learner.critic = Critic(16, (8,))
@@ -397,14 +399,15 @@ def _fpo_fell(adv: torch.Tensor) -> torch.Tensor:
     return (old - new).view(T, N)
 
 
-def test_the_fpo_update_makes_positive_advantage_chunks_likelier_than_negative_ones() -> None:
+@pytest.mark.parametrize("norm_adv", ["minibatch", "batch", "none"])
+def test_the_fpo_update_makes_positive_advantage_chunks_likelier_than_negative_ones(norm_adv: str) -> None:
     """Direction of FPO (``FPOLearner.update`` itself on a filled buffer): the update under the advantages
     against the one under the flipped advantages, from one start, on FPO's own draws. Their difference in
     each chunk's log-ratio, less its mean over chunks (the part every chunk shares: one denoiser learns them
     all, so a step moves all their losses together), has the sign of the chunk's advantage. A learner with the
     ratio or the advantage's sign wrong, or that ignores the advantages, fails."""
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0], [1.0, -1.0, 1.0, -1.0]])  # (T, N)
-    gap = _fpo_fell(adv) - _fpo_fell(-adv)  # (T, N)
+    gap = _fpo_fell(adv, norm_adv) - _fpo_fell(-adv, norm_adv)  # (T, N)
     assert (torch.sign(gap - gap.mean()) == adv).all(), gap
     assert (gap * adv).sum() > 0
 

@@ -201,9 +201,10 @@ def test_update_without_evidence_does_not_move_the_policy() -> None:
     assert stills >= 4  # pure-noise advantages: mostly w = 0, the head stays at exactly zero
 
 
-def test_update_with_evidence_moves_the_right_way_within_the_trust_region() -> None:
+@pytest.mark.parametrize("norm_adv", ["minibatch", "batch", "none"])
+def test_update_with_evidence_moves_the_right_way_within_the_trust_region(norm_adv: str) -> None:
     head = _head()
-    out, moved = _update(head, 3.0, 0, max_drift=0.005)
+    out, moved = _update(head, 3.0, 0, max_drift=0.005, norm_adv=norm_adv)
     assert out["losses/step_scale"] > 0.3 and moved > 0
     assert out["losses/action_drift"] <= 0.005 + 1e-6
     x = torch.randn(512, head.input_dim)

@@ -108,6 +108,10 @@ class SamplingConfig:
             raise ValueError(f"algo.ft_steps={self.ft_steps} must lie in [1, policy.ddim_steps={ddim_steps}]")
 
 
+NORM_ADV_ALIASES = {"true": "minibatch", "false": "none"}
+"""Boolean spellings of ``algo.norm_adv`` (a YAML ``true`` arrives as the string ``"True"``)."""
+
+
 @dataclass
 class PPOConfig(LearnerConfig):
     """The fields of every PPO learner (chain, residual, FPO): rollout size, critic, GAE, clipping."""
@@ -128,8 +132,11 @@ class PPOConfig(LearnerConfig):
     """gae (critic + GAE) | grpo (chain only: group-relative, G envs share a seed, no critic)."""
     clip_eps: float = 0.01
     """PPO clip range (chain: at the first fine-tuned denoising step)."""
-    norm_adv: bool = True
-    """Normalise advantages per minibatch."""
+    norm_adv: str = "minibatch"
+    """How advantages are standardised before the policy loss: ``minibatch`` (each minibatch to zero mean and
+    unit std, DPPO's), ``batch`` (once over the iteration's rollout, every rank's valid samples together, so
+    a minibatch with little signal stays small beside one with much) or ``none`` (the critic's scale);
+    ``true`` / ``false`` read as ``minibatch`` / ``none``."""
     vf_coef: float = 0.5
     """Weight of the value loss."""
     target_kl: float = 0.05
@@ -138,6 +145,8 @@ class PPOConfig(LearnerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _choice("algo.advantage", self.advantage, ("gae", "grpo"))
+        self.norm_adv = NORM_ADV_ALIASES.get(str(self.norm_adv).lower(), str(self.norm_adv))
+        _choice("algo.norm_adv", self.norm_adv, ("minibatch", "batch", "none"))
         for name in ("n_steps", "update_epochs", "minibatch_size", "critic_lr", "clip_eps"):
             _positive(f"algo.{name}", getattr(self, name))
         for name in ("vf_coef", "target_kl"):

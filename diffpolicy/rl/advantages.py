@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from diffpolicy.distributed import DistInfo, sum_metrics
+
 
 @torch.no_grad()
 def gae_advantages(
@@ -103,6 +105,39 @@ def normalize(adv: Tensor, eps: float = 1e-8) -> Tensor:
     if a.numel() < 2:
         return a - a.mean()
     return (a - a.mean()) / (a.std() + eps)
+
+
+def normalize_rollout(
+    adv: Tensor, valid: Tensor | None = None, info: DistInfo | None = None, eps: float = 1e-8
+) -> Tensor:
+    """``algo.norm_adv=batch``: the whole rollout's advantages standardised with one mean and std.
+
+    The statistics are over the ``valid`` entries of every rank's rollout (sums all-reduced, so every rank
+    applies the same shift and scale); invalid entries come back 0. Unlike per-minibatch standardisation a
+    minibatch whose advantages are all small (little signal, or a spread the critic already explains) stays
+    small beside one with a large spread, instead of being scaled up to unit std.
+
+    Args:
+        adv: (T, N) or (B,) advantages.
+        valid: the same shape, 1 for samples the update uses (None: all).
+        info: the process group (None: this process alone).
+
+    Returns:
+        float32 advantages of ``adv``'s shape: (adv - mean) / (std + eps) on valid entries, 0 elsewhere.
+    """
+    a = adv.float()
+    w = torch.ones_like(a) if valid is None else valid.float().to(a.device)
+    device = a.device
+    sums = {"n": float(w.sum()), "s": float((a * w).sum())}
+    if info is not None:
+        sums = sum_metrics(sums, info, device)
+    n = sums["n"]
+    mean = sums["s"] / max(n, 1.0)
+    sq = float((w * (a - mean) ** 2).sum())
+    if info is not None:
+        sq = sum_metrics({"q": sq}, info, device)["q"]
+    std = (sq / max(n - 1.0, 1.0)) ** 0.5
+    return (a - mean) / (std + eps) * w
 
 
 def denoise_discount(adv: Tensor, ft_steps: int, gamma_denoise: float) -> Tensor:

@@ -29,7 +29,7 @@ from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
 from diffpolicy.env_factory import make_envs
 from diffpolicy.models.critic import Critic
-from diffpolicy.rl.advantages import gae_advantages, normalize
+from diffpolicy.rl.advantages import gae_advantages, normalize, normalize_rollout
 from diffpolicy.rl.buffer import RolloutBuffer
 from diffpolicy.rl.chain.learner import chain_specs
 from diffpolicy.rl.chain.rollout import collect_rollout
@@ -119,6 +119,8 @@ class FPOLearner(PolicyLearner):
         algo, policy, device = self.cfg.algo, self.policy, self.rt.device
         adv, ret = self._last
         data = self.buffer.get()
+        if algo.norm_adv == "batch":
+            adv = normalize_rollout(adv, data.get("valid"), self.info)
         T, N = adv.shape
         gen = torch.Generator().manual_seed(seed)
         x0 = data["chains"][:, :, -1]  # (T, N, Ta, Da): the executed chunks, normalised
@@ -142,7 +144,7 @@ class FPOLearner(PolicyLearner):
                 with self.rt.autocast():
                     cond = self._cond(mb)
                     new = denoising_losses(policy, mb["chains"][:, -1], cond, mb["t"], mb["eps"], Te)
-                a = normalize(mb["advantages"]) if algo.norm_adv else mb["advantages"].float()
+                a = normalize(mb["advantages"]) if algo.norm_adv == "minibatch" else mb["advantages"].float()
                 pg, stats = fpo_ratio_loss(new, mb["old"], a, algo.clip_eps)
                 v_loss = value_loss(self.critic(cond.detach().float()), mb["returns"])
                 loss = pg + algo.vf_coef * v_loss

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from diffpolicy.config import ChainConfig
 from diffpolicy.distributed import DistInfo, average_gradients, rank_mean
 from diffpolicy.modalities import KEYS
-from diffpolicy.rl.advantages import denoise_discount, normalize
+from diffpolicy.rl.advantages import denoise_discount, normalize, normalize_rollout
 from diffpolicy.rl.buffer import RolloutBuffer
 from diffpolicy.rl.epochs import KLEpochs
 from diffpolicy.rl.ppo import approx_kl, policy_loss, regularizer, value_loss
@@ -146,6 +146,8 @@ def ppo_update(
     # Frozen encoders give back the condition stored at rollout time (the reference policy's too: its
     # encoders are the same frozen copy), so the minibatch observations need not be rebuilt or re-encoded.
     reuse_cond = bool(getattr(policy, "encoders_frozen", False)) and "cond" in buffer.fields
+    if cfg.norm_adv == "batch":  # one shift and scale for the iteration (every rank's valid decisions)
+        advantages = normalize_rollout(advantages, buffer.get().get("valid"), info)
     for epoch in epochs:
         extra = {"advantages": advantages, "returns": returns}
         for mb in buffer.minibatches(cfg.minibatch_size, generator, extra=extra):
@@ -224,7 +226,7 @@ def _minibatch_loss(
     with runtime.autocast():
         cond = mb["cond"] if reuse_cond else policy.encode(obs, augment=False)  # (B, cond_dim)
         new_logp = policy.log_prob(chain, cond=cond).float()  # (B, K') fp32
-    adv = normalize(mb["advantages"].float()) if cfg.norm_adv else mb["advantages"].float()
+    adv = normalize(mb["advantages"]) if cfg.norm_adv == "minibatch" else mb["advantages"].float()
     adv_k = denoise_discount(adv, old_logp.shape[1], cfg.denoise_gamma)  # (B, K')
     pg, stats = policy_loss(new_logp, old_logp, adv_k, clip_eps, mode=cfg.clip, normalize=cfg.normalize)
     zero = torch.zeros((), device=pg.device)

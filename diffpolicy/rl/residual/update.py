@@ -46,7 +46,7 @@ from diffpolicy.distributed import DistInfo, average_gradients, rank_mean
 from diffpolicy.env_factory import stack_final_obs, step_info
 from diffpolicy.models.residual import ResidualCritic, ResidualHead
 from diffpolicy.policies.residual import StepActor
-from diffpolicy.rl.advantages import normalize
+from diffpolicy.rl.advantages import normalize, normalize_rollout
 from diffpolicy.rl.buffer import RolloutBuffer
 from diffpolicy.rl.epochs import KLEpochs
 from diffpolicy.rl.learner import RolloutStats
@@ -304,7 +304,7 @@ def residual_update(
     flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.items()}  # (T*N, ...)
     x, u, elapsed = flat["x"], flat["u"], flat["elapsed"]
     adv_all, ret = advantages.reshape(-1), returns.reshape(-1)
-    adv_n = normalize(adv_all) if cfg.norm_adv else adv_all
+    adv_n = adv_all if cfg.norm_adv == "none" else normalize(adv_all)  # (T*N,) the evidence's scale
     sums: dict[str, float] = defaultdict(float)
     out = {"losses/value": _critic_epochs(learner, x, elapsed, ret, cfg, generator, info)}
 
@@ -406,12 +406,13 @@ def _ppo_epochs(
     for group in learner.actor_optim.param_groups:
         group["lr"] = cfg.lr * w
     n, params = 0, list(head.parameters())
+    whole = normalize_rollout(adv_all, info=info) if cfg.norm_adv == "batch" else adv_all  # (T*N,)
     epochs = KLEpochs(cfg.update_epochs, cfg.target_kl, info, x.device)
     for epoch in epochs:
         perm = torch.randperm(total, generator=generator).to(x.device)
         for start in range(0, total, mb):
             idx = perm[start : start + mb]
-            a = normalize(adv_all[idx]) if cfg.norm_adv else adv_all[idx]
+            a = normalize(adv_all[idx]) if cfg.norm_adv == "minibatch" else whole[idx]
             new_logp = head.log_prob(x[idx], u[idx])
             log_ratio = new_logp - old_logp[idx]
             surrogate, _ = clipped_surrogate(log_ratio, a, cfg.clip_eps)
