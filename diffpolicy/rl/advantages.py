@@ -127,17 +127,13 @@ def normalize_rollout(
     """
     a = adv.float()
     w = torch.ones_like(a) if valid is None else valid.float().to(a.device)
-    device = a.device
-    sums = {"n": float(w.sum()), "s": float((a * w).sum())}
-    if info is not None:
-        sums = sum_metrics(sums, info, device)
+    a64, w64 = a.double(), w.double()  # one all-reduce of the three sums, in float64
+    local = {"n": float(w64.sum()), "s": float((a64 * w64).sum()), "ss": float((a64 * a64 * w64).sum())}
+    sums = sum_metrics(local, info or DistInfo(), a.device)
     n = sums["n"]
     mean = sums["s"] / max(n, 1.0)
-    sq = float((w * (a - mean) ** 2).sum())
-    if info is not None:
-        sq = sum_metrics({"q": sq}, info, device)["q"]
-    std = (sq / max(n - 1.0, 1.0)) ** 0.5
-    return (a - mean) / (std + eps) * w
+    std = max(sums["ss"] - n * mean * mean, 0.0) / max(n - 1.0, 1.0)
+    return (a - mean) / (std**0.5 + eps) * w
 
 
 def denoise_discount(adv: Tensor, ft_steps: int, gamma_denoise: float) -> Tensor:
