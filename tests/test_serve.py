@@ -350,15 +350,61 @@ def test_serve_entry_point_ready_act_sigterm(tmp_path):
 
 
 def test_committed_stubs_match_the_proto(tmp_path):
+    """The installed grpcio-tools, whichever release, regenerates stubs that define what the committed ones
+    do (messages, fields, services, methods); the generator's version lines are not compared."""
     pytest.importorskip("grpc_tools")
-    from diffpolicy.serving.codegen import ROOT as REPO
-    from diffpolicy.serving.codegen import generate
+    from diffpolicy.serving.codegen import check
 
-    for fresh in generate(tmp_path):
-        committed = REPO / fresh.relative_to(tmp_path)
-        assert fresh.read_text() == committed.read_text(), (
-            f"{committed.name} is stale: python -m diffpolicy.serving.codegen"
-        )
+    assert check(tmp_path) == []
+
+
+def test_stub_interface_sees_a_changed_proto(tmp_path):
+    """The comparison is not blind: a renamed field, a new method or a changed request type all differ."""
+    pytest.importorskip("grpc_tools")
+    from diffpolicy.serving import codegen
+
+    text = codegen.PROTO.read_text()
+    edits = [
+        ("string session = 3;", "string session_id = 3;"),
+        ("rpc Act(Observation) returns (ActionChunk);", "rpc Act(Observation) returns (ActionChunk);\n"
+         "  rpc Reset(HealthRequest) returns (HealthResponse);"),
+        ("rpc Act(Observation) returns (ActionChunk);", "rpc Act(Tensor) returns (ActionChunk);"),
+    ]  # fmt: skip
+    committed = codegen.interface(*codegen.STUBS)
+    for i, (old, new) in enumerate(edits):
+        assert old in text
+        root = tmp_path / str(i)
+        proto = root / codegen.PROTO.relative_to(codegen.ROOT)
+        proto.parent.mkdir(parents=True)
+        proto.write_text(text.replace(old, new))
+        assert codegen.interface(*codegen.generate(root, proto, root)) != committed, new
+
+
+def test_committed_stubs_run_on_every_release_the_deploy_extra_admits():
+    """The stubs refuse a grpcio older than the grpcio-tools that generated them, and protobuf older than
+    its protoc: the deploy extra's floors must be at least those versions, and the installed ones (which
+    imported the stubs above) satisfy them."""
+    import importlib.metadata as md
+    import re
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from diffpolicy.serving import codegen, policy_pb2_grpc
+
+    floors = {}
+    for line in md.requires("diffpolicy") or []:
+        req = Requirement(line)
+        deploy = req.marker is not None and req.marker.evaluate({"extra": "deploy"})
+        if deploy and req.name in ("grpcio", "protobuf"):
+            floors[req.name] = min(Version(s.version) for s in req.specifier if s.operator in (">=", "=="))
+    pb2 = codegen.STUBS[0].read_text()
+    gencode = re.search(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2)
+    assert gencode, "policy_pb2.py has no protobuf runtime-version check"
+    assert floors["protobuf"] >= Version(".".join(gencode.groups()))
+    assert floors["grpcio"] >= Version(policy_pb2_grpc.GRPC_GENERATED_VERSION)
+    assert Version(grpc.__version__) >= Version(policy_pb2_grpc.GRPC_GENERATED_VERSION)
+    assert Version(md.version("protobuf")) >= Version(".".join(gencode.groups()))
 
 
 def test_serve_benchmark_wiring():
