@@ -19,7 +19,7 @@ export MUJOCO_GL ?= egl
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup quick train test test-all bench lint format clean
+.PHONY: setup quick train test test-capped test-all bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@PKGS="$(APT_PACKAGES)"; \
@@ -50,6 +50,12 @@ train: $(STAMP)  ## the main job: collect, pre-train, PPO fine-tune, evaluate (A
 
 test: $(STAMP)  ## the default test suite (CPU, ~minutes)
 	$(PYTHON) -m pytest -q $(ARGS)
+
+# The same suite with oneDNN, MKL and ATen's own kernels capped at AVX2: on a CPU with AVX-512 (or AMX) floats
+# then take another path, so a figure that holds on one kind of CPU only fails here, not in a user's first run.
+ISA_CAP ?= ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
+test-capped: $(STAMP)  ## the default test suite under the capped instruction set (x86-64)
+	$(ISA_CAP) $(PYTHON) -m pytest -q $(ARGS)
 
 test-all: $(STAMP)  ## also the slow training checks
 	$(PYTHON) -m pytest -q -m "slow or not slow" $(ARGS)
