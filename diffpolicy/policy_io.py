@@ -310,9 +310,10 @@ def load_policy(
 
 
 def sampling_of(ckpt: Checkpoint) -> dict[str, Any]:
-    """How the checkpoint's policy sampled its chains (K', eta, std floor): ``config["sampling"]``, or, in a
-    checkpoint written before the learner owned them, the :data:`POLICY_FIELDS_MOVED` of ``config["policy"]``;
-    {} when neither records them (the policy's own defaults then hold)."""
+    """How the checkpoint's policy sampled its chains (K', eta, std floor, and the measured noise scale when
+    it records one): ``config["sampling"]``, or, in a checkpoint written before the learner owned them, the
+    :data:`POLICY_FIELDS_MOVED` of ``config["policy"]``; {} when neither records them (the policy's own
+    defaults then hold)."""
     if isinstance(ckpt.config.get("sampling"), dict):
         raw = ckpt.config["sampling"]
     else:
@@ -320,7 +321,10 @@ def sampling_of(ckpt: Checkpoint) -> dict[str, Any]:
     if not all(k in raw for k in ("ft_steps", "eta", "min_std")):
         return {}
     try:
-        return {"ft_steps": int(raw["ft_steps"]), "eta": float(raw["eta"]), "min_std": float(raw["min_std"])}
+        out = {"ft_steps": int(raw["ft_steps"]), "eta": float(raw["eta"]), "min_std": float(raw["min_std"])}
+        if "noise_scale" in raw:
+            out["noise_scale"] = float(raw["noise_scale"])
+        return out
     except (TypeError, ValueError):
         raise CheckpointError(f"checkpoint {ckpt.path}: its sampling {raw} is not K', eta, min_std") from None
 

@@ -208,6 +208,9 @@ def resume(
         return Progress()
     ckpt = checkpoint.load(ckpt_root, map_location=rt.device)
     recorded, now = sampling_of(ckpt), getattr(learner.policy, "sampling", None)
+    # the config's settings must match; a noise scale the learner measured comes back with its state
+    recorded.pop("noise_scale", None)
+    now = None if now is None else {k: v for k, v in now.items() if k != "noise_scale"}
     if recorded and now is not None and recorded != now:  # the run's chains would change mid-run
         raise ValueError(
             f"resume: {ckpt.path} sampled its chains with {recorded}, this config with {now}; give the run's "
@@ -408,6 +411,8 @@ def summarize(
         else None,
         "drops": after.drops(),  # the fine-tuned policy's drops by how the grasp was lost
         "learner": cfg.algo.learner,
+        # the chain learner's measured exploration (algo.explore_tolerance: scale and curve), else None
+        "exploration": getattr(learner, "exploration", None),
         "env_steps": progress.env_steps,
         "guard_env_steps": progress.guard_steps,  # the rollback guard's validation episodes
         "deployed_iteration": progress.deployed,  # whose weights were evaluated (0: the pre-trained policy)

@@ -73,7 +73,7 @@ def test_set_sampling_changes_the_chain_not_the_weights():
     p, ref = make(), make(ft_steps=2, eta=0.5, min_std=0.02)
     weights = {k: v.clone() for k, v in p.state_dict().items()}
     p.set_sampling(ft_steps=2, eta=0.5, min_std=0.02)
-    assert p.ft_steps == 2 and p.sampling == {"ft_steps": 2, "eta": 0.5, "min_std": 0.02}
+    assert p.ft_steps == 2 and p.sampling == {"ft_steps": 2, "eta": 0.5, "min_std": 0.02, "noise_scale": 1.0}
     for name in ("std", "timesteps", "alphas_cumprod"):
         torch.testing.assert_close(getattr(p.schedule, name), getattr(ref.schedule, name))
     assert all(torch.equal(v, p.state_dict()[k]) for k, v in weights.items())

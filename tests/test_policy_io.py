@@ -115,7 +115,7 @@ def test_deploy_loading_takes_defaults_for_fields_an_older_checkpoint_lacks(tmp_
     q, env_cfg, ckpt = load_policy(path, text_backend="hash", deploy=True)
     assert env_cfg is None and ckpt.extra["obs_spec"] == SPEC
     assert q.cfg.kernel_size == PolicyConfig().kernel_size and not q.cfg.compile
-    assert q.sampling == {"ft_steps": cfg.ddim_steps, "eta": 1.0, "min_std": 0.01}
+    assert q.sampling == {"ft_steps": cfg.ddim_steps, "eta": 1.0, "min_std": 0.01, "noise_scale": 1.0}
     g = torch.Generator().manual_seed(0)
     a = p.eval().sample(obs(), deterministic=True, generator=g).actions
     b = q.sample(obs(), deterministic=True, generator=torch.Generator().manual_seed(0)).actions

@@ -98,7 +98,7 @@ def test_tolerated_std_halves_until_the_base_keeps_its_figure() -> None:
     with 0.02 env units): a fragile base (-50 000 return per unit of noise std) gets the largest halving of the
     start whose return stays within 10 %; a robust one keeps the start; a success rate is judged in absolute
     terms; a base that tolerates nothing gets the smallest level tried."""
-    from diffpolicy.rl.residual.learner import tolerated_std
+    from diffpolicy.rl.exploration import tolerated as tolerated_std
 
     std, seen, steps = tolerated_std(_fake_score(50_000.0), 0.02, 0.1)
     assert std == 0.02 / 8 and seen[0.0] == 2320.0 and seen[0.02] < 0.9 * 2320 <= seen[std]

@@ -219,6 +219,17 @@ class ChainConfig(SamplingConfig, PPOConfig):
     finetune_encoders: bool = False
     """PPO also updates the observation encoders (re-encodes every minibatch: several times slower on a CPU);
     when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
+    explore_tolerance: float = 0.0
+    """Explore with what the task tolerates: before the first rollout the sampled chain is judged on
+    ``explore_episodes`` validation episodes with its exploration scaled by 1, 1/2, 1/4, ...
+    (``explore_levels``; eta and ``min_std`` both times the scale), and the largest scale whose figure keeps
+    (1 - this) of the noise-free figure on the same episodes (a share, of success rate or return) is
+    explored with for the whole run (:func:`diffpolicy.rl.exploration.tolerated`); the summary and the
+    checkpoints record the scale and the curve. 0: sample with ``eta`` and ``min_std`` as given."""
+    explore_episodes: int = 50
+    """Validation episodes per level of the ``explore_tolerance`` measurement."""
+    explore_levels: int = 5
+    """Scales tried by the ``explore_tolerance`` measurement: 1, 1/2, ..., 2^-(levels - 1)."""
 
     def __post_init__(self) -> None:
         PPOConfig.__post_init__(self)
@@ -251,6 +262,9 @@ class ChainConfig(SamplingConfig, PPOConfig):
                 f"algo.logprob_clamp={clamp} is not allowed; give [] (off) or [low, high] with low < high"
             )
         _unit("algo.denoise_gamma", self.denoise_gamma)
+        _unit("algo.explore_tolerance", self.explore_tolerance)
+        _positive("algo.explore_episodes", self.explore_episodes)
+        _positive("algo.explore_levels", self.explore_levels)
 
 
 @dataclass
@@ -293,7 +307,7 @@ class ResidualConfig(PPOConfig):
     noise-free figure on ``tolerance_episodes`` validation episodes is measured without and with per-step
     Gaussian action noise of std alpha * residual_init_std, halved until the figure stays within this much of
     the noise-free one (a fraction of the return, or of success rate); the head's sigma is capped at that std
-    / alpha for the whole run (:func:`diffpolicy.rl.residual.learner.tolerated_std`). 0 disables."""
+    / alpha for the whole run (:func:`diffpolicy.rl.exploration.tolerated`). 0 disables."""
     tolerance_episodes: int = 10
     """Validation episodes per noise level of the ``noise_tolerance`` measurement."""
 

@@ -9,7 +9,8 @@ training timestep t_k) to x_{k-1} (at t_{k-1}, alpha_bar = 1 after the last step
     sigma  = eta sqrt((1 - a_prev) / (1 - a_t)) sqrt(1 - a_t / a_prev)
 
 which simplifies to ``mean = c_x x_k + c_x0 x0_hat``. The std of a step is ``sigma`` for the K - K' base
-steps and ``max(sigma, min_std)`` for the K' fine-tuned steps (DPPO). :func:`ddim_step_mean_std` is the
+steps and ``noise_scale * max(sigma, min_std)`` for the K' fine-tuned steps (DPPO's with ``noise_scale`` 1;
+a smaller scale explores closer to the means, which stay as they are). :func:`ddim_step_mean_std` is the
 single implementation used by the sampling loop and by ``log_prob``.
 """
 
@@ -91,16 +92,20 @@ class NoiseSchedule(nn.Module):
         eta: float = 1.0,
         min_std: float = 0.1,
         clip_sample: float = 1.0,
+        noise_scale: float = 1.0,
     ) -> None:
         super().__init__()
         if not 0 < ft_steps <= ddim_steps <= train_timesteps:
             raise ValueError(f"need 0 < ft_steps={ft_steps} <= ddim_steps={ddim_steps} <= {train_timesteps}")
+        if not noise_scale > 0:
+            raise ValueError(f"noise_scale={noise_scale} must be > 0")
         self.train_timesteps = train_timesteps
         self.ddim_steps = ddim_steps
         self.ft_steps = ft_steps
         self.eta = eta
         self.min_std = min_std
         self.clip_sample = clip_sample
+        self.noise_scale = noise_scale
         ac = torch.cumprod(1.0 - cosine_betas(train_timesteps), dim=0)  # (T,) float64
         ratio = train_timesteps // ddim_steps
         ts = torch.arange(ddim_steps - 1, -1, -1, dtype=torch.long) * ratio  # (K,) "leading" spacing
@@ -109,7 +114,7 @@ class NoiseSchedule(nn.Module):
         sigma = eta * ((1 - a_prev) / (1 - a_t)).sqrt() * (1 - a_t / a_prev).sqrt()
         c_x = (1 - a_prev - sigma**2).clamp_min(0).sqrt() / (1 - a_t).sqrt()
         std = sigma.clone()
-        std[ddim_steps - ft_steps :] = std[ddim_steps - ft_steps :].clamp_min(min_std)
+        std[ddim_steps - ft_steps :] = std[ddim_steps - ft_steps :].clamp_min(min_std) * noise_scale
         f32 = dict(dtype=torch.float32)
         self.register_buffer("alphas_cumprod", ac.to(**f32), persistent=False)
         self.register_buffer("timesteps", ts, persistent=False)
@@ -129,8 +134,8 @@ class NoiseSchedule(nn.Module):
 
     def with_natural_std(self, floor: float = 1e-3) -> NoiseSchedule:
         """A copy whose steps draw with their own eta-scaled std floored at ``floor``, and none at the last step
-        (DPPO's deterministic evaluation: the chain's natural stds, no exploration floor ``min_std``, no
-        final-step noise); everything else (means, timesteps) the same."""
+        (DPPO's deterministic evaluation: the chain's natural stds, no exploration floor ``min_std`` or
+        ``noise_scale``, no final-step noise); everything else (means, timesteps) the same."""
         twin = NoiseSchedule(
             self.train_timesteps, self.ddim_steps, self.ft_steps, self.eta, 0.0, self.clip_sample
         ).to(self.std.device)
@@ -141,11 +146,12 @@ class NoiseSchedule(nn.Module):
         return twin
 
     def with_eta(self, eta: float) -> NoiseSchedule:
-        """A copy with another eta, the same timesteps, K', floor and clipping (``eta=0`` with every step's
-        mean taken is DDIM's deterministic sampler: the ``ddim`` protocol)."""
+        """A copy with another eta, the same timesteps, K', floor, noise scale and clipping (``eta=0`` with
+        every step's mean taken is DDIM's deterministic sampler: the ``ddim`` protocol)."""
         return NoiseSchedule(
-            self.train_timesteps, self.ddim_steps, self.ft_steps, eta, self.min_std, self.clip_sample
-        ).to(self.std.device)
+            self.train_timesteps, self.ddim_steps, self.ft_steps, eta, self.min_std, self.clip_sample,
+            self.noise_scale,
+        ).to(self.std.device)  # fmt: skip
 
     @property
     def first_ft_step(self) -> int:

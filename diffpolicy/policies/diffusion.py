@@ -73,8 +73,11 @@ class DiffusionPolicy(PolicyBase):
         """DDIM loop backend: auto (the prepacked fast path on the CPU in fp32 inference, else eager) or
         compiled (torch.compile; falls back with a one-time warning when no compiler works)."""
 
-    def set_sampling(self, *, ft_steps: int, eta: float, min_std: float, freeze: bool = True) -> None:
-        """Change how chains are sampled (K' stochastic steps, eta, the std floor) without touching weights.
+    def set_sampling(
+        self, *, ft_steps: int, eta: float, min_std: float, noise_scale: float = 1.0, freeze: bool = True
+    ) -> None:
+        """Change how chains are sampled (K' stochastic steps, eta, the std floor, the scale of the K' steps'
+        stds, which the chain learner measures: ``algo.explore_tolerance``) without touching weights.
 
         The learner that samples the chain owns these settings (``algo.ft_steps``, ``algo.eta``,
         ``algo.min_std``: :class:`~diffpolicy.config.SamplingConfig`); they do not enter the DDPM training
@@ -87,7 +90,7 @@ class DiffusionPolicy(PolicyBase):
         """
         s = self.schedule
         self.schedule = NoiseSchedule(
-            s.train_timesteps, s.ddim_steps, ft_steps, eta, min_std, s.clip_sample
+            s.train_timesteps, s.ddim_steps, ft_steps, eta, min_std, s.clip_sample, noise_scale
         ).to(s.alphas_cumprod.device)
         self.ft_steps = ft_steps
         if ft_steps == s.ddim_steps:
@@ -97,9 +100,15 @@ class DiffusionPolicy(PolicyBase):
 
     @property
     def sampling(self) -> dict[str, float | int]:
-        """How chains are sampled now: ``{"ft_steps": K', "eta": ..., "min_std": ...}`` (:meth:`set_sampling`)."""
+        """How chains are sampled now: ``{"ft_steps": K', "eta": ..., "min_std": ..., "noise_scale": ...}``
+        (:meth:`set_sampling`)."""
         s = self.schedule
-        return {"ft_steps": int(s.ft_steps), "eta": float(s.eta), "min_std": float(s.min_std)}
+        return {
+            "ft_steps": int(s.ft_steps),
+            "eta": float(s.eta),
+            "min_std": float(s.min_std),
+            "noise_scale": float(s.noise_scale),
+        }
 
     def freeze_base(self) -> None:
         """Keep a frozen deep copy of the current denoiser for the K - K' steps before the fine-tuned ones.

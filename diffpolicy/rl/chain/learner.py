@@ -17,14 +17,16 @@ import torch
 from diffpolicy import checkpoint
 from diffpolicy.config import ChainConfig, TrainConfig
 from diffpolicy.device import Runtime
-from diffpolicy.distributed import DistInfo, seed_for_rank
+from diffpolicy.distributed import DistInfo, rank_mean, seed_for_rank
 from diffpolicy.env_factory import make_envs
+from diffpolicy.evaluation import EvalResult, held_out
 from diffpolicy.modalities import MODALITIES
 from diffpolicy.models.critic import make_critic
 from diffpolicy.rl.advantages import RunningRewardScaler, gae_advantages, grpo_advantages
 from diffpolicy.rl.buffer import TEXT, RolloutBuffer, ppo_specs
 from diffpolicy.rl.chain.rollout import collect_rollout
 from diffpolicy.rl.chain.update import ChainModules, ppo_update
+from diffpolicy.rl.exploration import tolerated
 from diffpolicy.rl.learner import PolicyLearner, RolloutStats, env_seeds, register
 from diffpolicy.rl.ppo import clip_schedule
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
@@ -89,10 +91,56 @@ class ChainLearner(PolicyLearner):
         self.reward_scaler = (  # DPPO's running scaler keeps its own discount of 0.99, whatever algo.gamma
             RunningRewardScaler(cfg.env.num_envs) if algo.reward_scale == "running" else None
         )
+        if algo.explore_tolerance > 0 and not hasattr(policy, "schedule"):
+            raise ValueError("algo.explore_tolerance scales a diffusion chain's noise; this policy has none")
+        self.exploration: dict[str, Any] | None = None
+        """What ``algo.explore_tolerance`` measured: the noise scale explored with, the curve it was chosen on
+        ([scale, validation figure], scale 0 the noise-free policy), the tolerance, episodes and env steps."""
+        self._explore_steps = 0
 
     def begin(self) -> None:
-        """Called once the starting weights are in place (fresh or resumed): the NaN guard's first snapshot."""
+        """Called once the starting weights are in place (fresh or resumed): the NaN guard's first snapshot
+        and, with ``algo.explore_tolerance``, the noise the task tolerates (a resumed run keeps its own)."""
         self.snapshot.capture()
+        if self.cfg.algo.explore_tolerance > 0 and self.exploration is None:
+            self.exploration = self._measure_exploration()
+
+    def _measure_exploration(self) -> dict[str, Any]:
+        """Scale the K' sampled steps' stds by the largest of 1, 1/2, ... whose validation figure keeps
+        (1 - ``algo.explore_tolerance``) of the noise-free policy's on the same episodes. The means, and so
+        the deployed noise-free policy, stay as they are; only how far the rollouts stray from it changes."""
+        algo, cfg, policy = self.cfg.algo, self.cfg, self.policy
+        configured = {**policy.sampling, "noise_scale": 1.0}
+        policy.eval()
+
+        def score(scale: float) -> EvalResult:
+            if scale == 0:
+                return held_out(policy, cfg, self.rt, "val", algo.explore_episodes, protocol="noise_free")
+            policy.set_sampling(**{**configured, "noise_scale": scale}, freeze=False)
+            return held_out(policy, cfg, self.rt, "val", algo.explore_episodes, protocol="exploration")
+
+        scale, seen, steps = tolerated(
+            score, 1.0, algo.explore_tolerance, levels=algo.explore_levels, share=True
+        )
+        scale = rank_mean(scale, self.info, self.rt.device)  # one scale on every rank
+        policy.set_sampling(**{**configured, "noise_scale": scale}, freeze=False)
+        self._explore_steps = steps
+        curve = [[float(k), round(float(v), 4)] for k, v in sorted(seen.items())]
+        if self.logger is not None:
+            levels = ", ".join(f"{k:.3g}: {v:.3g}" for k, v in curve)
+            self.logger.event(
+                "explore_scale",
+                f"sampled chain's validation figure by noise scale (scale: figure) {levels}; "
+                f"exploring with {scale:.3g} (keeps {1 - algo.explore_tolerance:.0%} of the noise-free figure)",
+                0, noise_scale=scale, env_steps=steps,
+            )  # fmt: skip
+        return {
+            "noise_scale": scale,
+            "curve": curve,
+            "tolerance": algo.explore_tolerance,
+            "episodes": algo.explore_episodes,
+            "env_steps": steps,
+        }
 
     def rollout(self, seed: int) -> RolloutStats:
         """Fill the buffer with T decisions per environment and compute their advantages."""
@@ -104,6 +152,8 @@ class ChainLearner(PolicyLearner):
             generator=torch.Generator(device=self.rt.device).manual_seed(seed), autocast=self.rt.autocast,
             first_episode_only=self.grpo, bootstrap=not self.grpo, reward_source=algo.reward,
         )  # fmt: skip
+        stats.env_steps += self._explore_steps  # the measurement's episodes: once, in the first iteration
+        self._explore_steps = 0
         self._last = self._advantages(last_value)
         return stats
 
@@ -141,6 +191,7 @@ class ChainLearner(PolicyLearner):
         learner, monitor = self.learner, self.monitor
         return {
             **({"reward_scaler": self.reward_scaler.state_dict()} if self.reward_scaler is not None else {}),
+            **({"exploration": self.exploration} if self.exploration is not None else {}),
             "critic": learner.critic.state_dict(),
             "actor_optim": learner.actor_optim.state_dict(),
             "critic_optim": learner.critic_optim.state_dict(),
@@ -162,6 +213,10 @@ class ChainLearner(PolicyLearner):
             learner.scaler.load_state_dict(state["scaler"])
         if self.reward_scaler is not None and "reward_scaler" in state:
             self.reward_scaler.load_state_dict(state["reward_scaler"])
+        if "exploration" in state:  # the measured noise scale, explored with since the run's start
+            self.exploration = dict(state["exploration"])
+            scale = float(self.exploration["noise_scale"])
+            self.policy.set_sampling(**{**self.policy.sampling, "noise_scale": scale}, freeze=False)
         monitor.history.clear()
         monitor.history.extend(float(v) for v in state["monitor"]["history"])
         monitor.spikes, monitor.updates = state["monitor"]["spikes"], state["monitor"]["updates"]

@@ -9,7 +9,6 @@ the head's module is :class:`diffpolicy.models.residual.ResidualHead`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from diffpolicy.models.residual import ResidualCritic, ResidualHead
 from diffpolicy.ops import gae
 from diffpolicy.policies.residual import ResidualPolicy, StepActor
 from diffpolicy.rl.buffer import RolloutBuffer
+from diffpolicy.rl.exploration import tolerated
 from diffpolicy.rl.learner import RolloutStats, env_seeds, register
 from diffpolicy.rl.residual.update import ResidualModules, collect_steps, residual_specs, residual_update
 
@@ -46,30 +46,6 @@ def residual_head_for(base: Any, cfg: TrainConfig) -> ResidualHead:
 def residual_description(head: ResidualHead, hidden: list[int]) -> dict[str, Any]:
     """JSON description stored with a base + residual checkpoint (enough to rebuild the head)."""
     return {"alpha": head.alpha, "hidden": list(hidden), "cond_dim": head.cond_dim}
-
-
-def tolerated_std(
-    score: Callable[[float], EvalResult], start: float, tolerance: float, levels: int = 6
-) -> tuple[float, dict[float, float], int]:
-    """The largest per-step action noise std of ``start`` * 2^-i (i < ``levels``) under which the base's figure
-    stays within ``tolerance`` of its noise-free figure; the smallest tried when none does.
-
-    ``score(std)`` evaluates the base with that much Gaussian action noise (0: none). The figure is the success
-    rate (within ``tolerance`` of it, absolute) or, for an environment without success, the mean return (within
-    ``tolerance`` x |return|). Returns (std, {std: figure} for every level tried, env steps spent).
-    """
-    ref = score(0.0)
-    goal = ref.reports_success
-    figure = (lambda r: r.success_rate) if goal else (lambda r: r.mean_return)
-    floor = figure(ref) - (tolerance if goal else tolerance * abs(figure(ref)))
-    seen, steps, std = {0.0: figure(ref)}, ref.env_steps, start
-    for i in range(levels):
-        std = start * 0.5**i
-        res = score(std)
-        seen[std], steps = figure(res), steps + res.env_steps
-        if figure(res) >= floor:
-            break
-    return std, seen, steps
 
 
 @register(ResidualConfig)
@@ -119,7 +95,7 @@ class ResidualLearner:
             )  # fmt: skip
 
         start = algo.residual_alpha * algo.residual_init_std
-        std, seen, self._tolerance_steps = tolerated_std(score, start, algo.noise_tolerance)
+        std, seen, self._tolerance_steps = tolerated(score, start, algo.noise_tolerance)
         std = rank_mean(std, self.info, self.rt.device)  # one bound on every rank
         self.head.max_std = std / algo.residual_alpha
         if self.logger is not None:
