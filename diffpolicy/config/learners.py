@@ -230,6 +230,17 @@ class ChainConfig(SamplingConfig, PPOConfig):
     """Validation episodes per level of the ``explore_tolerance`` measurement."""
     explore_levels: int = 5
     """Scales tried by the ``explore_tolerance`` measurement: 1, 1/2, ..., 2^-(levels - 1)."""
+    sil_coef: float = 0.0
+    """Weight of self-imitation beside the PPO loss (Oh et al. 2018; :mod:`diffpolicy.rl.self_imitation`):
+    decisions whose return beat the critic's value are kept, and every minibatch step also raises the
+    log-probability of kept chains drawn in proportion to (R - V)+. 0: off."""
+    sil_capacity: int = 8192
+    """Kept decisions (a ring: the newest)."""
+    sil_batch: int = 0
+    """Kept decisions drawn per minibatch step (0: ``minibatch_size``)."""
+    sil_value_coef: float = 0.01
+    """Weight of the kept decisions' value loss 0.5 (R - V)+^2 inside the self-imitation term (the paper's
+    beta)."""
 
     def __post_init__(self) -> None:
         PPOConfig.__post_init__(self)
@@ -265,6 +276,14 @@ class ChainConfig(SamplingConfig, PPOConfig):
         _unit("algo.explore_tolerance", self.explore_tolerance)
         _positive("algo.explore_episodes", self.explore_episodes)
         _positive("algo.explore_levels", self.explore_levels)
+        for name in ("sil_coef", "sil_batch", "sil_value_coef"):
+            _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+        _positive("algo.sil_capacity", self.sil_capacity)
+        if self.sil_coef > 0 and (self.advantage != "gae" or self.finetune_encoders):
+            raise ValueError(
+                "algo.sil_coef > 0 keeps decisions as the frozen encoders' condition and weighs them by a "
+                "critic: it needs algo.advantage=gae and algo.finetune_encoders=false"
+            )
 
 
 @dataclass

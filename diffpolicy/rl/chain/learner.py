@@ -29,6 +29,7 @@ from diffpolicy.rl.chain.update import ChainModules, ppo_update
 from diffpolicy.rl.exploration import tolerated
 from diffpolicy.rl.learner import PolicyLearner, RolloutStats, env_seeds, register
 from diffpolicy.rl.ppo import clip_schedule
+from diffpolicy.rl.self_imitation import SelfImitation
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot
 
 
@@ -75,6 +76,15 @@ class ChainLearner(PolicyLearner):
             critic_optim=torch.optim.AdamW(self.critic.parameters(), lr=algo.critic_lr),
             scaler=rt.grad_scaler(),
             reference=reference,
+            kept=SelfImitation(
+                algo.sil_capacity,
+                cfg.policy.cond_dim,
+                (policy.ft_steps + 1, policy.horizon, policy.action_dim),
+                int(policy.obs_spec["state"][-1]) if algo.critic_input == "state" else None,
+                rt.device,
+            )
+            if algo.sil_coef > 0
+            else None,
         )
         self.monitor = GradMonitor(algo.grad_monitor_window, algo.grad_spike_sigma, logger=logger)
         self.snapshot = StateSnapshot(
@@ -155,6 +165,11 @@ class ChainLearner(PolicyLearner):
         stats.env_steps += self._explore_steps  # the measurement's episodes: once, in the first iteration
         self._explore_steps = 0
         self._last = self._advantages(last_value)
+        if self.learner.kept is not None:  # decisions whose return beat their value, kept for self-imitation
+            data = self.buffer.get()
+            self.learner.kept.add(
+                data["cond"], data["chains"], self._last[1], data["values"], data["valid"], data.get("state")
+            )
         return stats
 
     def _advantages(self, last_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,6 +200,8 @@ class ChainLearner(PolicyLearner):
             train_actor=self.grpo or iteration >= self.cfg.algo.critic_warmup,
         )  # fmt: skip
         losses["rollout/advantage_std"] = float(adv.std())
+        if self.learner.kept is not None:
+            losses["rollout/sil_kept"] = float(self.learner.kept.size)
         return losses
 
     def state(self) -> dict[str, Any]:
@@ -192,6 +209,7 @@ class ChainLearner(PolicyLearner):
         return {
             **({"reward_scaler": self.reward_scaler.state_dict()} if self.reward_scaler is not None else {}),
             **({"exploration": self.exploration} if self.exploration is not None else {}),
+            **({"kept": learner.kept.state_dict()} if learner.kept is not None else {}),
             "critic": learner.critic.state_dict(),
             "actor_optim": learner.actor_optim.state_dict(),
             "critic_optim": learner.critic_optim.state_dict(),
@@ -213,6 +231,8 @@ class ChainLearner(PolicyLearner):
             learner.scaler.load_state_dict(state["scaler"])
         if self.reward_scaler is not None and "reward_scaler" in state:
             self.reward_scaler.load_state_dict(state["reward_scaler"])
+        if learner.kept is not None and "kept" in state:
+            learner.kept.load_state_dict(state["kept"])
         if "exploration" in state:  # the measured noise scale, explored with since the run's start
             self.exploration = dict(state["exploration"])
             scale = float(self.exploration["noise_scale"])

@@ -32,6 +32,7 @@ from diffpolicy.rl.advantages import denoise_discount, normalize, normalize_roll
 from diffpolicy.rl.buffer import RolloutBuffer
 from diffpolicy.rl.epochs import KLEpochs
 from diffpolicy.rl.ppo import approx_kl, policy_loss, regularizer, value_loss
+from diffpolicy.rl.self_imitation import SelfImitation, self_imitation_loss
 from diffpolicy.rl.stability import GradMonitor, StateSnapshot, nan_guard
 
 KL_STEP_FACTOR = 1.5
@@ -52,6 +53,8 @@ class ChainModules:
     reference: nn.Module | None = None
     """Frozen pre-trained policy for the KL or BC regulariser; None when there is none (``algo.reg`` none or
     ``algo.reg_coef`` 0), so its presence is what switches the regulariser on."""
+    kept: SelfImitation | None = None
+    """The decisions self-imitation keeps (``algo.sil_coef`` > 0), else None."""
 
     def params(self) -> list[nn.Parameter]:
         """Trainable parameters of policy and critic, in a fixed order."""
@@ -165,6 +168,18 @@ def ppo_update(
             loss, pg, v_loss, reg, stats = _minibatch_loss(
                 learner, mb, obs, reuse_cond, cfg, clip_eps, runtime, use_critic
             )
+            drawn = None
+            if learner.kept is not None and cfg.sil_coef > 0:
+                drawn = learner.kept.draw(learner.critic, cfg.sil_batch or cfg.minibatch_size, generator)
+            if drawn is not None:  # what the rollouts found, imitated beside the surrogate
+                with runtime.autocast():
+                    sil, sil_pg, sil_v = self_imitation_loss(
+                        policy, learner.critic, drawn, cfg.sil_value_coef
+                    )
+                loss = loss + cfg.sil_coef * sil
+                sums["losses/sil_policy"] += float(sil_pg.detach())
+                sums["losses/sil_value"] += float(sil_v.detach())
+                sums["losses/sil_steps"] += 1.0
             norm = _optimiser_step(
                 learner, loss, params, cfg, info, monitor, snapshot, logger, step,
                 agreement=(agreement, actor_params) if epoch == 0 else None,
@@ -193,7 +208,10 @@ def ppo_update(
         epochs_run = epoch + 1
         if kl_stops:  # the same on every rank: kl_after is their mean
             break
-    out = {k: v / max(count, 1) for k, v in sums.items()}
+    out = {k: v / max(count, 1) for k, v in sums.items() if k != "losses/sil_steps"}
+    if sums.get("losses/sil_steps"):  # the self-imitation parts, averaged over the steps that drew any
+        for name in ("losses/sil_policy", "losses/sil_value"):
+            out[name] = sums[name] / sums["losses/sil_steps"]
     if agreement.n:
         out["losses/grad_agreement"] = agreement.mean
     out["losses/epochs"] = float(epochs_run)
