@@ -168,9 +168,11 @@ def ppo_update(
             loss, pg, v_loss, reg, stats = _minibatch_loss(
                 learner, mb, obs, reuse_cond, cfg, clip_eps, runtime, use_critic
             )
-            drawn = None
-            if learner.kept is not None and cfg.sil_coef > 0:
-                drawn = learner.kept.draw(learner.critic, cfg.sil_batch or cfg.minibatch_size, generator)
+            drawn = (
+                None
+                if learner.kept is None
+                else learner.kept.draw(learner.critic, cfg.sil_batch or cfg.minibatch_size, generator)
+            )
             if drawn is not None:  # what the rollouts found, imitated beside the surrogate
                 with runtime.autocast():
                     sil, sil_pg, sil_v = self_imitation_loss(
