@@ -221,11 +221,11 @@ class ChainConfig(SamplingConfig, PPOConfig):
     when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
     explore_tolerance: float = 0.0
     """Explore with what the task tolerates: before the first rollout the sampled chain is judged on
-    ``explore_episodes`` validation episodes with its exploration scaled by 1, 1/2, 1/4, ...
-    (``explore_levels``; eta and ``min_std`` both times the scale), and the largest scale whose figure keeps
+    ``explore_episodes`` validation episodes with the stds of its K' sampled steps times 1, 1/2, 1/4, ...
+    (``explore_levels``; the steps' means stay as they are), and the largest scale whose figure keeps
     (1 - this) of the noise-free figure on the same episodes (a share, of success rate or return) is
     explored with for the whole run (:func:`diffpolicy.rl.exploration.tolerated`); the summary and the
-    checkpoints record the scale and the curve. 0: sample with ``eta`` and ``min_std`` as given."""
+    checkpoints record the scale and the curve. 0: sample with ``eta`` and ``min_std`` as given (scale 1)."""
     explore_episodes: int = 50
     """Validation episodes per level of the ``explore_tolerance`` measurement."""
     explore_levels: int = 5

@@ -2,8 +2,8 @@
 validation figure stays within a tolerance of its noise-free figure.
 
 Both learners that explore around a pre-trained policy size their noise this way before fine-tuning: the
-residual head bounds its per-step action noise (``algo.noise_tolerance``), the chain learner scales its
-sampled chain's eta and std floor (``algo.explore_tolerance``). A policy cloned from precise demonstrations
+residual head bounds its per-step action noise (``algo.noise_tolerance``), the chain learner scales the stds
+of its K' sampled denoising steps (``algo.explore_tolerance``). A policy cloned from precise demonstrations
 can lose most of its successes to noise it never saw; PPO then learns from rollouts of a policy that differs
 from the deployed one and sees too few successes to follow (docs/experiments.md, 2026-12-03: on the pick task
 the sampled chain succeeded 0.05 where the noise-free policy succeeded 0.29).
