@@ -238,6 +238,10 @@ class ChainConfig(SamplingConfig, PPOConfig):
     """Kept decisions (a ring: the newest)."""
     sil_batch: int = 0
     """Kept decisions drawn per minibatch step (0: ``minibatch_size``)."""
+    sil_loss: str = "chain"
+    """How the kept decisions are imitated: chain (raise the exact log-probability of their K' stored
+    transitions) | denoise (the diffusion policy's BC loss on their sampled chunks, at the timesteps of the
+    K' fine-tuned steps: moves the steps' means, so the deployed noise-free policy, toward what succeeded)."""
     sil_value_coef: float = 0.01
     """Weight of the kept decisions' value loss 0.5 (R - V)+^2 inside the self-imitation term (the paper's
     beta)."""
@@ -279,6 +283,7 @@ class ChainConfig(SamplingConfig, PPOConfig):
         for name in ("sil_coef", "sil_batch", "sil_value_coef"):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
         _positive("algo.sil_capacity", self.sil_capacity)
+        _choice("algo.sil_loss", self.sil_loss, ("chain", "denoise"))
         if self.sil_coef > 0 and (self.advantage != "gae" or self.finetune_encoders):
             raise ValueError(
                 "algo.sil_coef > 0 keeps decisions as the frozen encoders' condition and weighs them by a "

@@ -237,6 +237,26 @@ class DiffusionPolicy(PolicyBase):
         lp = normal_log_prob(chain[:, 1:].float(), mean, self._ratio_std(std))  # (B, K', Ta, Da)
         return self.reduce_executed(self._clamp_log_prob(lp))
 
+    def chain_bc_loss(
+        self, x0: torch.Tensor, cond: torch.Tensor, *, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """The BC (DDPM) loss of the denoiser at the timesteps the K' fine-tuned steps query: x0 (B, Ta, Da)
+        normalised chunks (a stored chain's last state), cond (B, cond_dim) -> scalar fp32.
+
+        t is drawn uniformly below K' T / K (the DDIM timesteps of the fine-tuned steps are 0, T/K, ...,
+        (K'-1) T/K); the first K - K' steps run the frozen base, which no gradient reaches. The chunk's steps
+        are weighted as in :meth:`bc_loss`. Minimising it moves every fine-tuned step's mean toward x0, so
+        the noise-free chain (the deployed policy) follows, where raising the chain's exact log-probability
+        pulls each step toward one noisy draw of its successor. Draws come from ``generator`` (CPU) and are
+        moved to x0's device."""
+        s = self.schedule
+        high = s.ft_steps * (s.train_timesteps // s.ddim_steps)
+        B = x0.shape[0]
+        t = torch.randint(0, high, (B,), generator=generator).to(x0.device)
+        noise = torch.randn(x0.shape, generator=generator).to(x0.device)
+        elements = ddpm_loss(self.denoiser, x0.float(), cond, s, t=t, noise=noise, reduction="none")
+        return self.chunk_loss(elements)
+
     def _ratio_std(self, std: torch.Tensor) -> torch.Tensor:
         """The std the log-probs use: the sampling std, floored at ``logprob_min_std`` when that is > 0."""
         return std.clamp_min(self.logprob_min_std) if self.logprob_min_std > 0 else std

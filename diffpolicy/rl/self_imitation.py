@@ -6,9 +6,10 @@ led to a success are averaged with hundreds of others in every minibatch: on the
 (docs/experiments.md, 2026-12-03). Self-imitation keeps what the rollouts found. Every decision whose return
 beat the critic's value at rollout time is kept (condition, stored chain, return; a ring of
 ``algo.sil_capacity``); each PPO minibatch step also draws ``algo.sil_batch`` kept decisions with probability
-proportional to their excess (R - V)+ under the current critic and raises their chains' exact log-probability
-(``algo.sil_coef``), while the critic's value of them is pulled up to R (``algo.sil_value_coef``, the
-paper's beta). A decision the critic has caught up with is no longer drawn. The return R is the GAE value
+proportional to their excess (R - V)+ under the current critic and imitates them (``algo.sil_coef``): by
+raising their chains' exact log-probability (``algo.sil_loss=chain``) or by the diffusion policy's own BC
+loss on the chunks they sampled (``denoise``, at the fine-tuned steps' timesteps), while the critic's value
+of them is pulled up to R (``algo.sil_value_coef``, the paper's beta). A decision the critic has caught up with is no longer drawn. The return R is the GAE value
 target of the decision (the lambda-return, bootstrapped where the rollout cut an episode), in the critic's
 units.
 
@@ -135,12 +136,27 @@ class SelfImitation:
 
 
 def self_imitation_loss(
-    policy: nn.Module, critic: nn.Module, batch: dict[str, Tensor], value_coef: float
+    policy: nn.Module,
+    critic: nn.Module,
+    batch: dict[str, Tensor],
+    value_coef: float,
+    *,
+    form: str = "chain",
+    generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, policy part, value part) on drawn kept decisions: -mean log pi(chain) over the K' transitions
-    (each the executed Te x Da average, fp32) + ``value_coef`` * 0.5 mean (R - V)+^2. The draw already weighs
-    each decision by its excess, so the policy part is the excess-weighted imitation of what was kept."""
-    logp = policy.log_prob(batch["chains"], cond=batch["cond"]).float().mean(-1)  # (n,)
+    """(loss, policy part, value part) on drawn kept decisions; the draw already weighs each decision by its
+    excess, so the policy part is the excess-weighted imitation of what was kept.
+
+    The policy part by ``form``: ``chain``, -mean log pi(chain) over the K' transitions (each the executed
+    Te x Da average, fp32); ``denoise``, the diffusion policy's BC loss on the kept chunks x0 (the chains'
+    last states) at the fine-tuned steps' timesteps (:meth:`DiffusionPolicy.chain_bc_loss`, noise from
+    ``generator``). The value part: ``value_coef`` * 0.5 mean (R - V)+^2."""
+    if form == "chain":
+        pg = -policy.log_prob(batch["chains"], cond=batch["cond"]).float().mean()
+    elif form == "denoise":
+        pg = policy.chain_bc_loss(batch["chains"][:, -1], batch["cond"], generator=generator)
+    else:
+        raise ValueError(f"self-imitation form {form!r} is not one of ('chain', 'denoise')")
     excess = (batch["returns"] - critic(batch["cond"], batch.get("state")).float().reshape(-1)).clamp_min(0)
-    pg, value = -logp.mean(), 0.5 * (excess**2).mean()
+    value = 0.5 * (excess**2).mean()
     return pg + value_coef * value, pg, value

@@ -101,6 +101,10 @@ class ChainLearner(PolicyLearner):
         self.reward_scaler = (  # DPPO's running scaler keeps its own discount of 0.99, whatever algo.gamma
             RunningRewardScaler(cfg.env.num_envs) if algo.reward_scale == "running" else None
         )
+        if algo.sil_coef > 0 and algo.sil_loss == "denoise" and not hasattr(policy, "chain_bc_loss"):
+            raise ValueError(
+                "algo.sil_loss=denoise imitates through a diffusion policy's BC loss; this policy has none"
+            )
         if algo.explore_tolerance > 0 and not hasattr(policy, "schedule"):
             raise ValueError("algo.explore_tolerance scales a diffusion chain's noise; this policy has none")
         self.exploration: dict[str, Any] | None = None

@@ -176,8 +176,9 @@ def ppo_update(
             if drawn is not None:  # what the rollouts found, imitated beside the surrogate
                 with runtime.autocast():
                     sil, sil_pg, sil_v = self_imitation_loss(
-                        policy, learner.critic, drawn, cfg.sil_value_coef
-                    )
+                        policy, learner.critic, drawn, cfg.sil_value_coef, form=cfg.sil_loss,
+                        generator=generator,
+                    )  # fmt: skip
                 loss = loss + cfg.sil_coef * sil
                 sums["losses/sil_policy"] += float(sil_pg.detach())
                 sums["losses/sil_value"] += float(sil_v.detach())
