@@ -322,8 +322,9 @@ def sampling_of(ckpt: Checkpoint) -> dict[str, Any]:
         return {}
     try:
         out = {"ft_steps": int(raw["ft_steps"]), "eta": float(raw["eta"]), "min_std": float(raw["min_std"])}
-        if "noise_scale" in raw:
-            out["noise_scale"] = float(raw["noise_scale"])
+        for key in ("noise_scale", "action_std"):
+            if key in raw:
+                out[key] = float(raw[key])
         return out
     except (TypeError, ValueError):
         raise CheckpointError(f"checkpoint {ckpt.path}: its sampling {raw} is not K', eta, min_std") from None

@@ -219,6 +219,14 @@ class ChainConfig(SamplingConfig, PPOConfig):
     finetune_encoders: bool = False
     """PPO also updates the observation encoders (re-encodes every minibatch: several times slower on a CPU);
     when False the encoders stay as pre-trained and the update reuses each decision's stored condition."""
+    action_std: float = 0.0
+    """> 0: explore in action space (NCDPO, Yang et al. 2025): each decision's chunk is the noise-free chain
+    from a drawn x_K plus Gaussian noise of this std (normalised action units, times the measured noise scale
+    with ``explore_tolerance``), and PPO's ratio is that Gaussian's, differentiated through all K denoising
+    steps (``ft_steps`` / ``ft_fraction`` are then unused: every step is fine-tuned, none frozen). The policy
+    that explores is the deployed noise-free one plus noise, where DPPO's stochastic steps (0, the default)
+    explore with a chain that can succeed far less often than the deployed policy
+    (:meth:`~diffpolicy.policies.diffusion.DiffusionPolicy.set_sampling`)."""
     explore_tolerance: float = 0.0
     """Explore with what the task tolerates: before the first rollout the sampled chain is judged on
     ``explore_episodes`` validation episodes with the stds of its K' sampled steps times 1, 1/2, 1/4, ...
@@ -278,6 +286,7 @@ class ChainConfig(SamplingConfig, PPOConfig):
             )
         _unit("algo.denoise_gamma", self.denoise_gamma)
         _unit("algo.explore_tolerance", self.explore_tolerance)
+        _positive("algo.action_std", self.action_std, allow_zero=True)
         _positive("algo.explore_episodes", self.explore_episodes)
         _positive("algo.explore_levels", self.explore_levels)
         for name in ("sil_coef", "sil_batch", "sil_value_coef"):
@@ -289,6 +298,13 @@ class ChainConfig(SamplingConfig, PPOConfig):
                 "algo.sil_coef > 0 keeps decisions as the frozen encoders' condition and weighs them by a "
                 "critic: it needs algo.advantage=gae and algo.finetune_encoders=false"
             )
+
+    def sampling(self) -> dict[str, Any]:
+        """:meth:`SamplingConfig.sampling`, with ``action_std`` when it is > 0."""
+        out = SamplingConfig.sampling(self)
+        if self.action_std > 0:
+            out["action_std"] = self.action_std
+        return out
 
 
 @dataclass

@@ -65,6 +65,11 @@ class DiffusionPolicy(PolicyBase):
         self.noise_clip = 0.0
         """Clamp of every sampled standard-normal draw z to [-noise_clip, noise_clip] before
         x = mean + std z, in std units (DPPO's ``randn_clip_value``: 3); 0 disables."""
+        self.action_std = 0.0
+        """> 0: the chain learner's policy is Gaussian around the noise-free chain, N(chain(x_K), sigma^2) over
+        the chunk (normalised units, sigma = this x the schedule's ``noise_scale``): one "transition" from x_K
+        to the executed chunk, whose log-probability is differentiated back through all K steps (see
+        :meth:`set_sampling`). 0: the K' stochastic DDIM steps are the policy (DPPO)."""
         self._base: list[ConditionalUnet1D] = []
         """The frozen pre-trained denoiser of the first K - K' steps (empty until K' < K is asked for). A
         plain list, so the module does not register it: it is in neither ``parameters()`` (the optimiser,
@@ -74,7 +79,14 @@ class DiffusionPolicy(PolicyBase):
         compiled (torch.compile; falls back with a one-time warning when no compiler works)."""
 
     def set_sampling(
-        self, *, ft_steps: int, eta: float, min_std: float, noise_scale: float = 1.0, freeze: bool = True
+        self,
+        *,
+        ft_steps: int,
+        eta: float,
+        min_std: float,
+        noise_scale: float = 1.0,
+        action_std: float = 0.0,
+        freeze: bool = True,
     ) -> None:
         """Change how chains are sampled (K' stochastic steps, eta, the std floor, the scale of the K' steps'
         stds, which the chain learner measures: ``algo.explore_tolerance``) without touching weights.
@@ -87,12 +99,25 @@ class DiffusionPolicy(PolicyBase):
         unless a base is already held: call this on the pre-trained weights, before fine-tuning (a resumed
         run loads its fine-tuned weights afterwards and keeps the pre-trained base); a checkpoint being
         rebuilt passes ``freeze=False`` and loads its stored base. With K' = K any base is dropped.
+
+        ``action_std`` > 0 explores in action space instead (the chain learner's ``algo.action_std``): a
+        rollout takes the noise-free chain from a drawn x_K and adds Gaussian noise of std ``action_std`` x
+        ``noise_scale`` to its chunk; the stored "chain" is (x_K, executed chunk), one transition (``ft_steps``
+        becomes 1 for the learner), and its log-probability is taken under the noise-free chain recomputed from
+        x_K with gradients through every one of the K steps (all fine-tuned: no frozen base). The policy that
+        is deployed (every step's mean) is then the mean of the policy that explores, as in NCDPO (Yang et
+        al. 2025), where DPPO's stochastic steps explore with a policy the deployed one only approximates.
         """
+        if not action_std >= 0:
+            raise ValueError(f"action_std={action_std} must be >= 0")
         s = self.schedule
+        if action_std > 0:
+            ft_steps = s.ddim_steps
         self.schedule = NoiseSchedule(
             s.train_timesteps, s.ddim_steps, ft_steps, eta, min_std, s.clip_sample, noise_scale
         ).to(s.alphas_cumprod.device)
-        self.ft_steps = ft_steps
+        self.ft_steps = 1 if action_std > 0 else ft_steps
+        self.action_std = float(action_std)
         if ft_steps == s.ddim_steps:
             self._base = []
         elif freeze and not self._base:
@@ -100,15 +125,18 @@ class DiffusionPolicy(PolicyBase):
 
     @property
     def sampling(self) -> dict[str, float | int]:
-        """How chains are sampled now: ``{"ft_steps": K', "eta": ..., "min_std": ..., "noise_scale": ...}``
-        (:meth:`set_sampling`)."""
+        """How chains are sampled now: ``{"ft_steps": K', "eta": ..., "min_std": ..., "noise_scale": ...}``, and
+        ``action_std`` when it is > 0 (:meth:`set_sampling`)."""
         s = self.schedule
-        return {
+        out: dict[str, float | int] = {
             "ft_steps": int(s.ft_steps),
             "eta": float(s.eta),
             "min_std": float(s.min_std),
             "noise_scale": float(s.noise_scale),
         }
+        if self.action_std > 0:
+            out["action_std"] = self.action_std
+        return out
 
     def freeze_base(self) -> None:
         """Keep a frozen deep copy of the current denoiser for the K - K' steps before the fine-tuned ones.
@@ -172,6 +200,8 @@ class DiffusionPolicy(PolicyBase):
         only for a policy sampled with eta 0 (with eta 1 the means weight x_k differently). Returns actions (B, Ta, Da) in env units and, with ``return_chain``, the fine-tuned
         chain (B, K'+1, Ta, Da), its means / stds and log-probs (B, K') (see :meth:`log_prob`).
         """
+        if self.action_std > 0 and not deterministic:
+            return self._sample_action_noise(obs, cond, return_chain, generator, noise)
         with torch.inference_mode():
             if cond is None:
                 cond = self.encode(obs, augment=False)
@@ -194,15 +224,66 @@ class DiffusionPolicy(PolicyBase):
             cond=cond.clone(),
         )
 
+    @property
+    def action_sigma(self) -> float:
+        """The std of the action-space exploration, normalised units: ``action_std`` x the noise scale."""
+        return self.action_std * float(self.schedule.noise_scale)
+
+    def _sample_action_noise(self, obs, cond, return_chain, generator, noise) -> SampleOutput:
+        """:meth:`sample` with ``action_std`` > 0: the noise-free chain from x_K (``noise``, else drawn), plus
+        Gaussian noise of std :attr:`action_sigma` on its chunk (each draw clamped to +-``noise_clip``)."""
+        with torch.inference_mode():
+            if cond is None:
+                cond = self.encode(obs, augment=False)
+            shape = (cond.shape[0], self.horizon, self.action_dim)
+            x_k = noise if noise is not None else torch.randn(shape, generator=generator, device=cond.device)
+            x_k = x_k.to(cond.device, torch.float32)
+            mean = self._run_sampler(cond, True, False, generator, x_k).x0  # (B, Ta, Da)
+            z = torch.randn(shape, generator=generator, device=cond.device)
+            if self.noise_clip > 0:
+                z = z.clamp(-self.noise_clip, self.noise_clip)
+            sigma = torch.full((1, 1, 1, 1), self.action_sigma, device=cond.device)
+            x = mean + sigma[0, 0] * z
+            log_probs = None
+            if return_chain:
+                lp = normal_log_prob(x, mean, self._ratio_std(sigma[0]))  # (B, Ta, Da)
+                log_probs = self.reduce_executed(self._clamp_log_prob(lp)).unsqueeze(1)  # (B, 1)
+        return SampleOutput(
+            actions=self.action_normalizer.unnormalize(x).clone(),
+            normalized=x.clone(),
+            chain=torch.stack([x_k, x], dim=1).clone() if return_chain else None,  # (B, 2, Ta, Da)
+            means=mean.unsqueeze(1).clone() if return_chain else None,
+            stds=sigma.clone() if return_chain else None,
+            log_probs=None if log_probs is None else log_probs.clone(),
+            cond=cond.clone(),
+        )
+
+    def noise_free_chunk(self, x_k: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Every DDIM step's mean from x_K (B, Ta, Da) under cond (B, cond_dim) -> x_0 (B, Ta, Da), differentiable
+        through all K steps (the noise-free protocol's chunk, as :meth:`sample` with ``deterministic``)."""
+        s, x = self.schedule, x_k.float()
+        for i in range(s.ddim_steps):
+            idx = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
+            eps = self.denoiser(x, s.timesteps[idx], cond)
+            x, _ = ddim_step_mean_std(x, eps.float(), s.step_coefs(idx), s.clip_sample)
+        return x
+
     def transition_mean_std(
         self, chain: torch.Tensor, cond: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gaussians of the stored transitions under the current parameters (differentiable).
 
         chain (B, K'+1, Ta, Da), cond (B, cond_dim) -> mean (B, K', Ta, Da) fp32, std (1, K', 1, 1).
-        All K' denoiser calls run as one batch of B K'.
+        All K' denoiser calls run as one batch of B K'. With ``action_std`` > 0 the one transition x_K -> chunk:
+        mean (B, 1, Ta, Da) the noise-free chain from ``chain[:, 0]`` (K sequential calls), std
+        :attr:`action_sigma`.
         """
         B, Kp = chain.shape[0], chain.shape[1] - 1
+        if self.action_std > 0:
+            if Kp != 1:
+                raise ValueError(f"chain has K'={Kp} transitions; action-space exploration stores one")
+            mean = self.noise_free_chunk(chain[:, 0], cond)
+            return mean.unsqueeze(1), torch.full((1, 1, 1, 1), self.action_sigma, device=chain.device)
         if Kp != self.ft_steps:
             raise ValueError(
                 f"chain has K'={Kp} transitions but the policy fine-tunes ft_steps={self.ft_steps}"
