@@ -242,21 +242,25 @@ class DiffusionPolicy(PolicyBase):
             z = torch.randn(shape, generator=generator, device=cond.device)
             if self.noise_clip > 0:
                 z = z.clamp(-self.noise_clip, self.noise_clip)
-            sigma = torch.full((1, 1, 1, 1), self.action_sigma, device=cond.device)
-            x = mean + sigma[0, 0] * z
+            std = self._action_std_tensor(cond.device)  # (1, 1, 1, 1)
+            x = mean + std[0] * z
             log_probs = None
             if return_chain:
-                lp = normal_log_prob(x, mean, self._ratio_std(sigma[0]))  # (B, Ta, Da)
+                lp = normal_log_prob(x, mean, self._ratio_std(std[0]))  # (B, Ta, Da)
                 log_probs = self.reduce_executed(self._clamp_log_prob(lp)).unsqueeze(1)  # (B, 1)
         return SampleOutput(
             actions=self.action_normalizer.unnormalize(x).clone(),
             normalized=x.clone(),
             chain=torch.stack([x_k, x], dim=1).clone() if return_chain else None,  # (B, 2, Ta, Da)
             means=mean.unsqueeze(1).clone() if return_chain else None,
-            stds=sigma.clone() if return_chain else None,
+            stds=std.clone() if return_chain else None,
             log_probs=None if log_probs is None else log_probs.clone(),
             cond=cond.clone(),
         )
+
+    def _action_std_tensor(self, device: torch.device) -> torch.Tensor:
+        """:attr:`action_sigma` as the one transition's std, shaped like :meth:`transition_mean_std`'s: (1, 1, 1, 1)."""
+        return torch.full((1, 1, 1, 1), self.action_sigma, device=device)
 
     def noise_free_chunk(self, x_k: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Every DDIM step's mean from x_K (B, Ta, Da) under cond (B, cond_dim) -> x_0 (B, Ta, Da), differentiable
@@ -283,7 +287,7 @@ class DiffusionPolicy(PolicyBase):
             if Kp != 1:
                 raise ValueError(f"chain has K'={Kp} transitions; action-space exploration stores one")
             mean = self.noise_free_chunk(chain[:, 0], cond)
-            return mean.unsqueeze(1), torch.full((1, 1, 1, 1), self.action_sigma, device=chain.device)
+            return mean.unsqueeze(1), self._action_std_tensor(chain.device)
         if Kp != self.ft_steps:
             raise ValueError(
                 f"chain has K'={Kp} transitions but the policy fine-tunes ft_steps={self.ft_steps}"

@@ -9,9 +9,9 @@ beat the critic's value at rollout time is kept (condition, stored chain, return
 proportional to their excess (R - V)+ under the current critic and imitates them (``algo.sil_coef``): by
 raising their chains' exact log-probability (``algo.sil_loss=chain``) or by the diffusion policy's own BC
 loss on the chunks they sampled (``denoise``, at the fine-tuned steps' timesteps), while the critic's value
-of them is pulled up to R (``algo.sil_value_coef``, the paper's beta). A decision the critic has caught up with is no longer drawn. The return R is the GAE value
-target of the decision (the lambda-return, bootstrapped where the rollout cut an episode), in the critic's
-units.
+of them is pulled up to R (``algo.sil_value_coef``, the paper's beta). A decision the critic has caught up
+with is no longer drawn. The return R is the GAE value target of the decision (the lambda-return,
+bootstrapped where the rollout cut an episode), in the critic's units.
 
 The kept decisions are stored as the condition the frozen encoders gave them (as the rollout buffer stores
 it), so the term needs ``algo.finetune_encoders=false``, and a critic (``algo.advantage=gae``).
@@ -152,7 +152,9 @@ def self_imitation_loss(
     last states) at the fine-tuned steps' timesteps (:meth:`DiffusionPolicy.chain_bc_loss`, noise from
     ``generator``). The value part: ``value_coef`` * 0.5 mean (R - V)+^2."""
     if form == "chain":
-        pg = -policy.log_prob(batch["chains"], cond=batch["cond"]).float().mean()
+        pg = (
+            -policy.log_prob(batch["chains"], cond=batch["cond"]).float().mean(-1).mean()
+        )  # per decision, then all
     elif form == "denoise":
         pg = policy.chain_bc_loss(batch["chains"][:, -1], batch["cond"], generator=generator)
     else:
