@@ -322,7 +322,7 @@ def sampling_of(ckpt: Checkpoint) -> dict[str, Any]:
         return {}
     try:
         out = {"ft_steps": int(raw["ft_steps"]), "eta": float(raw["eta"]), "min_std": float(raw["min_std"])}
-        for key in ("noise_scale", "action_std"):
+        for key in ("noise_scale", "action_std", "action_corr"):
             if key in raw:
                 out[key] = float(raw[key])
         return out

@@ -71,10 +71,15 @@ def test_sampled_chunk_and_log_prob_match_references() -> None:
     assert 0.7 < float(noise.std()) < 1.3  # the executed chunk strays by sigma
 
 
-def _moved(sign: float, lr: float = 1e-5, epochs: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+def _moved(
+    sign: float, lr: float = 1e-5, epochs: int = 3, corr: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One PPO update of an action-noise toy rollout whose advantages are ``sign`` for every decision: the
-    noise-free chunks' squared distance from the executed ones (before, after), per decision."""
+    noise-free chunks' squared distance from the executed ones (before, after), per decision. ``corr``:
+    the noise's correlation across the chunk."""
     policy = noisy()
+    if corr:
+        policy.set_sampling(**{**policy.sampling, "action_corr": corr}, freeze=False)
     T, N = 2, 4
     buffer = toy_rollout(policy, T, N)
     data = buffer.get()
@@ -89,15 +94,15 @@ def _moved(sign: float, lr: float = 1e-5, epochs: int = 3) -> tuple[torch.Tensor
     snapshot.capture()
     chains, cond = data["chains"].flatten(0, 1), data["cond"].flatten(0, 1)
 
-    def gap() -> torch.Tensor:
+    def gap() -> torch.Tensor:  # -log pi(executed chunk); with independent noise the squared gap, scaled
         with torch.no_grad():
-            mean = policy.noise_free_chunk(chains[:, 0], cond)[:, policy.exec_slice]
-            return ((mean - chains[:, 1, policy.exec_slice]) ** 2).mean(dim=(1, 2))
+            return -policy.log_prob(chains, cond=cond)[:, 0]
 
     before = gap()
     cfg = ChainConfig(
-        update_epochs=epochs, minibatch_size=8, target_kl=0.0, norm_adv="none", action_std=SIGMA
-    )
+        update_epochs=epochs, minibatch_size=8, target_kl=0.0, norm_adv="none", action_std=SIGMA,
+        action_corr=corr,
+    )  # fmt: skip
     ppo_update(
         learner, buffer, torch.full((T, N), sign), torch.zeros(T, N), cfg, clip_eps=torch.full((1,), 0.2),
         runtime=Runtime.from_config(DeviceConfig(type="cpu")), info=DistInfo(),
@@ -106,12 +111,13 @@ def _moved(sign: float, lr: float = 1e-5, epochs: int = 3) -> tuple[torch.Tensor
     return before, gap()
 
 
-def test_ppo_moves_the_noise_free_chain_toward_chunks_with_positive_advantage() -> None:
+@pytest.mark.parametrize("corr", [0.0, 0.8])
+def test_ppo_moves_the_noise_free_chain_toward_chunks_with_positive_advantage(corr: float) -> None:
     """Direction: a positive advantage pulls the deployed noise-free chunk toward what was executed (its
-    log-probability rises), a negative one pushes it away."""
-    before, after = _moved(+1.0)
+    log-probability rises), a negative one pushes it away; with independent and with correlated noise."""
+    before, after = _moved(+1.0, corr=corr)
     assert after.mean() < before.mean() and (after < before).float().mean() >= 0.75
-    before, after = _moved(-1.0)
+    before, after = _moved(-1.0, corr=corr)
     assert after.mean() > before.mean() and (after > before).float().mean() >= 0.75
 
 
@@ -128,3 +134,57 @@ def test_a_tiny_run_explores_in_action_space_and_resumes(tmp_path: Path, init_ck
     assert ckpt.state["kept"]["chains"].shape[1] == 2  # (x_K, executed chunk)
     resumed = main(compose("train", [*args, "algo.iterations=3", "resume=true"]), tmp_path)
     assert resumed["iterations"] == 3
+
+
+@pytest.mark.parametrize("corr", [0.0, 0.6, 0.95])
+def test_correlated_log_prob_matches_multivariate_normal(corr: float) -> None:
+    """The closed form equals ``torch.distributions.MultivariateNormal`` with covariance
+    std^2 ((1 - corr) I + corr 1 1^T) along the steps, one per action dimension."""
+    from diffpolicy.policies.base import correlated_normal_log_prob
+
+    g = torch.Generator().manual_seed(0)
+    te, da, std = 5, 3, 0.3
+    x, mean = (
+        torch.randn(4, te, da, generator=g, dtype=torch.float64),
+        torch.randn(4, te, da, generator=g, dtype=torch.float64),
+    )
+    cov = std**2 * (
+        (1 - corr) * torch.eye(te, dtype=torch.float64) + corr * torch.ones(te, te, dtype=torch.float64)
+    )
+    ref = torch.distributions.MultivariateNormal(mean.transpose(1, 2), cov).log_prob(
+        x.transpose(1, 2)
+    )  # (4, Da)
+    got = correlated_normal_log_prob(x, mean, torch.tensor([[std]], dtype=torch.float64), corr)
+    torch.testing.assert_close(got, ref)
+    with pytest.raises(ValueError, match="corr"):
+        correlated_normal_log_prob(x, mean, std, 1.0)
+
+
+def test_correlated_action_noise_is_held_over_the_chunk_and_its_log_prob_is_exact() -> None:
+    """With ``action_corr`` the noise of a chunk's steps is correlated as asked (one draw held over the chunk
+    plus one per step), the stored log-prob is the joint Gaussian's over the executed steps per element, and
+    it is re-evaluated unchanged (ratio 1)."""
+    corr = 0.8
+    policy = noisy()
+    policy.set_sampling(ft_steps=KP, eta=1.0, min_std=0.05, action_std=SIGMA, action_corr=corr, freeze=False)
+    assert policy.sampling["action_corr"] == corr
+    o = obs(256)
+    out = policy.sample(o, return_chain=True, generator=torch.Generator().manual_seed(5))
+    z = (
+        ((out.chain[:, 1] - out.means[:, 0]) / SIGMA).transpose(1, 2).reshape(-1, policy.horizon)
+    )  # (B Da, Ta)
+    c = torch.corrcoef(z.T)
+    off = c[~torch.eye(policy.horizon, dtype=torch.bool)]
+    assert abs(float(off.mean()) - corr) < 0.05 and 0.8 < float(z.std()) < 1.2
+    ex = policy.exec_slice
+    te = out.chain[:, 1, ex].shape[1]
+    cov = SIGMA**2 * ((1 - corr) * torch.eye(te) + corr * torch.ones(te, te))
+    ref = torch.distributions.MultivariateNormal(out.means[:, 0, ex].transpose(1, 2).double(), cov.double())
+    lp = ref.log_prob(out.chain[:, 1, ex].transpose(1, 2).double()).mean(-1) / te  # per element
+    torch.testing.assert_close(out.log_probs[:, 0].double(), lp, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(policy.log_prob(out.chain, cond=out.cond), out.log_probs, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="action_corr"):
+        ChainConfig(action_corr=0.5)  # no action_std
+    with pytest.raises(ValueError, match="logprob_clamp"):
+        ChainConfig(action_std=0.05, action_corr=0.5, logprob_clamp=[-5.0, 2.0])
+    assert ChainConfig(action_std=0.05, action_corr=0.5).sampling()["action_corr"] == 0.5

@@ -253,6 +253,23 @@ class ChainConfig(SamplingConfig, PPOConfig):
     sil_value_coef: float = 0.01
     """Weight of the kept decisions' value loss 0.5 (R - V)+^2 inside the self-imitation term (the paper's
     beta)."""
+    action_corr: float = 0.0
+    """``action_std`` > 0: correlation in [0, 1) of the action noise across a chunk's steps (each entry is
+    sqrt(corr) x one draw per decision and action dimension + sqrt(1 - corr) x a draw per step), so the noise
+    moves where the chunk goes rather than jittering around it, as filtered_bc's held noise does; the ratio
+    is that Gaussian's exact joint log-probability over the executed steps (per element), so it needs
+    ``logprob_clamp: []``. 0: independent noise per entry."""
+    anchor_steps: int = 0
+    """Imitation anchor (:mod:`diffpolicy.rl.imitation`): after each PPO update, this many BC steps on the
+    demonstrations plus every window of the rollouts' successful episodes (drawn uniformly, as
+    ``algo=filtered_bc`` draws them), so what the rollouts found is kept however noisy PPO's gradient is.
+    The denoiser learns at every noise level, so the chain must have no frozen base (``action_std`` > 0 or
+    ``ft_fraction: 1``). On an env that reports no success the anchor holds the demonstrations alone (a BC
+    regulariser). 0: off."""
+    anchor_lr: float = 1.0e-4
+    """AdamW learning rate of the anchor's steps (its own optimiser; warmed up over a twentieth of them)."""
+    anchor_batch: int | None = None
+    """Windows per anchor step (null: ``bc.batch_size``)."""
 
     def __post_init__(self) -> None:
         PPOConfig.__post_init__(self)
@@ -293,6 +310,19 @@ class ChainConfig(SamplingConfig, PPOConfig):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
         _positive("algo.sil_capacity", self.sil_capacity)
         _choice("algo.sil_loss", self.sil_loss, ("chain", "denoise"))
+        if not 0.0 <= self.action_corr < 1.0:
+            raise ValueError(f"algo.action_corr={self.action_corr} must lie in [0, 1)")
+        if self.action_corr > 0 and self.action_std <= 0:
+            raise ValueError("algo.action_corr correlates action-space noise: set algo.action_std > 0")
+        if self.action_corr > 0 and list(self.logprob_clamp):
+            raise ValueError(
+                "algo.action_corr > 0 takes the joint log-probability of a chunk's noise, which has no "
+                "per-element clamp: set algo.logprob_clamp=[]"
+            )
+        _positive("algo.anchor_steps", self.anchor_steps, allow_zero=True)
+        _positive("algo.anchor_lr", self.anchor_lr)
+        if self.anchor_batch is not None:
+            _positive("algo.anchor_batch", self.anchor_batch)
         if self.sil_coef > 0 and (self.advantage != "gae" or self.finetune_encoders):
             raise ValueError(
                 "algo.sil_coef > 0 keeps decisions as the frozen encoders' condition and weighs them by a "
@@ -304,6 +334,8 @@ class ChainConfig(SamplingConfig, PPOConfig):
         out = SamplingConfig.sampling(self)
         if self.action_std > 0:
             out["action_std"] = self.action_std
+            if self.action_corr > 0:
+                out["action_corr"] = self.action_corr
         return out
 
 

@@ -53,6 +53,26 @@ def normal_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor | flo
     return -((x - mean) ** 2) / (2 * std**2) - std.log() - _HALF_LOG_2PI
 
 
+def correlated_normal_log_prob(
+    x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor | float, corr: float
+) -> torch.Tensor:
+    """Joint log N(x; mean, Sigma) along the steps axis: x, mean (..., Te, Da) -> (..., Da), where each action
+    dimension's Te steps share the covariance Sigma = std^2 ((1 - corr) I + corr 1 1^T) (equicorrelated noise:
+    one draw held over the steps plus one per step). Sherman-Morrison gives the inverse and the determinant in
+    closed form; corr = 0 is the sum over steps of :func:`normal_log_prob`. ``std`` broadcasts to x and is
+    the same along the steps."""
+    if not 0.0 <= corr < 1.0:
+        raise ValueError(f"corr={corr} must lie in [0, 1)")
+    std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
+    r = (x - mean) / std  # (..., Te, Da) in units of std
+    te = x.shape[-2]
+    denom = 1.0 - corr + corr * te
+    quad = ((r**2).sum(-2) - corr / denom * r.sum(-2) ** 2) / (1.0 - corr)  # (..., Da)
+    log_std = std.log().expand_as(mean).mean(-2)  # (..., Da): the std is one along the steps
+    logdet = 2 * te * log_std + (te - 1) * math.log(1.0 - corr) + math.log(denom)
+    return -0.5 * (quad + logdet) - te * _HALF_LOG_2PI
+
+
 class PolicyBase(nn.Module):
     """What diffusion and Gaussian policies share: encoders, action normaliser, acting and reductions."""
 

@@ -15,6 +15,7 @@ decision, the Te executed actions in env units plus the full :class:`SampleOutpu
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -24,7 +25,13 @@ from diffpolicy.diffusion.sampler import ddim_sample
 from diffpolicy.diffusion.schedule import NoiseSchedule, ddim_step_mean_std, ddpm_loss
 from diffpolicy.models.mlp_denoiser import MLPDenoiser
 from diffpolicy.models.unet1d import ConditionalUnet1D
-from diffpolicy.policies.base import Obs, PolicyBase, SampleOutput, normal_log_prob
+from diffpolicy.policies.base import (
+    Obs,
+    PolicyBase,
+    SampleOutput,
+    correlated_normal_log_prob,
+    normal_log_prob,
+)
 
 
 class DiffusionPolicy(PolicyBase):
@@ -66,6 +73,7 @@ class DiffusionPolicy(PolicyBase):
         """Clamp of every sampled standard-normal draw z to [-noise_clip, noise_clip] before
         x = mean + std z, in std units (DPPO's ``randn_clip_value``: 3); 0 disables."""
         self.action_std = 0.0
+        self.action_corr = 0.0
         """> 0: the chain learner's policy is Gaussian around the noise-free chain, N(chain(x_K), sigma^2) over
         the chunk (normalised units, sigma = this x the schedule's ``noise_scale``): one "transition" from x_K
         to the executed chunk, whose log-probability is differentiated back through all K steps (see
@@ -86,6 +94,7 @@ class DiffusionPolicy(PolicyBase):
         min_std: float,
         noise_scale: float = 1.0,
         action_std: float = 0.0,
+        action_corr: float = 0.0,
         freeze: bool = True,
     ) -> None:
         """Change how chains are sampled (K' stochastic steps, eta, the std floor, the scale of the K' steps'
@@ -107,9 +116,14 @@ class DiffusionPolicy(PolicyBase):
         x_K with gradients through every one of the K steps (all fine-tuned: no frozen base). The policy that
         is deployed (every step's mean) is then the mean of the policy that explores, as in NCDPO (Yang et
         al. 2025), where DPPO's stochastic steps explore with a policy the deployed one only approximates.
+        ``action_corr`` in [0, 1) correlates that noise across the chunk's steps (one draw per action
+        dimension held over the chunk, weight sqrt(corr), plus one per step, sqrt(1 - corr)), and its
+        log-probability is the joint one over the executed steps (:func:`correlated_normal_log_prob`).
         """
         if not action_std >= 0:
             raise ValueError(f"action_std={action_std} must be >= 0")
+        if not 0.0 <= action_corr < 1.0 or (action_corr > 0 and action_std == 0):
+            raise ValueError(f"action_corr={action_corr} must lie in [0, 1), and be 0 without action_std")
         s = self.schedule
         if action_std > 0:
             ft_steps = s.ddim_steps
@@ -118,6 +132,7 @@ class DiffusionPolicy(PolicyBase):
         ).to(s.alphas_cumprod.device)
         self.ft_steps = 1 if action_std > 0 else ft_steps
         self.action_std = float(action_std)
+        self.action_corr = float(action_corr)
         if ft_steps == s.ddim_steps:
             self._base = []
         elif freeze and not self._base:
@@ -136,6 +151,8 @@ class DiffusionPolicy(PolicyBase):
         }
         if self.action_std > 0:
             out["action_std"] = self.action_std
+        if self.action_corr > 0:
+            out["action_corr"] = self.action_corr
         return out
 
     def freeze_base(self) -> None:
@@ -242,12 +259,16 @@ class DiffusionPolicy(PolicyBase):
             z = torch.randn(shape, generator=generator, device=cond.device)
             if self.noise_clip > 0:
                 z = z.clamp(-self.noise_clip, self.noise_clip)
+            if self.action_corr > 0:  # one draw per action dimension held over the chunk, plus z per step
+                held = torch.randn((shape[0], 1, shape[2]), generator=generator, device=cond.device)
+                if self.noise_clip > 0:
+                    held = held.clamp(-self.noise_clip, self.noise_clip)
+                z = math.sqrt(self.action_corr) * held + math.sqrt(1.0 - self.action_corr) * z
             std = self._action_std_tensor(cond.device)  # (1, 1, 1, 1)
             x = mean + std[0] * z
             log_probs = None
             if return_chain:
-                lp = normal_log_prob(x, mean, self._ratio_std(std[0]))  # (B, Ta, Da)
-                log_probs = self.reduce_executed(self._clamp_log_prob(lp)).unsqueeze(1)  # (B, 1)
+                log_probs = self._action_log_prob(x, mean, std[0]).unsqueeze(1)  # (B, 1)
         return SampleOutput(
             actions=self.action_normalizer.unnormalize(x).clone(),
             normalized=x.clone(),
@@ -257,6 +278,17 @@ class DiffusionPolicy(PolicyBase):
             log_probs=None if log_probs is None else log_probs.clone(),
             cond=cond.clone(),
         )
+
+    def _action_log_prob(self, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+        """Log-probability of executed chunks x (..., Ta, Da) under the action-space Gaussian around ``mean``,
+        per executed element (the joint log-probability over the Te executed steps divided by Te Da when the
+        noise is correlated, the mean of the clamped element log-probs when it is not): (...) fp32."""
+        std = self._ratio_std(std)
+        if self.action_corr > 0:
+            window = self.exec_slice
+            lp = correlated_normal_log_prob(x[..., window, :], mean[..., window, :], std, self.action_corr)
+            return lp.mean(-1) / x[..., window, :].shape[-2]
+        return self.reduce_executed(self._clamp_log_prob(normal_log_prob(x, mean, std)))
 
     def _action_std_tensor(self, device: torch.device) -> torch.Tensor:
         """:attr:`action_sigma` as the one transition's std, shaped like :meth:`transition_mean_std`'s: (1, 1, 1, 1)."""
@@ -319,6 +351,8 @@ class DiffusionPolicy(PolicyBase):
         if cond is None:
             cond = self.encode(obs, augment=False)
         mean, std = self.transition_mean_std(chain, cond)
+        if self.action_std > 0:
+            return self._action_log_prob(chain[:, 1:].float(), mean, std)  # (B, 1)
         lp = normal_log_prob(chain[:, 1:].float(), mean, self._ratio_std(std))  # (B, K', Ta, Da)
         return self.reduce_executed(self._clamp_log_prob(lp))
 

@@ -47,102 +47,23 @@ import numpy as np
 import torch
 
 from diffpolicy import checkpoint
-from diffpolicy.bc import adamw, bc_losses, ema_update, shifted_scenes
+from diffpolicy.bc import adamw, ema_update
 from diffpolicy.config import FilteredBCConfig, TrainConfig
 from diffpolicy.data.dataset import TARGET_KEY
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.device import Runtime
-from diffpolicy.distributed import DistInfo, average_gradients, seed_for_rank
+from diffpolicy.distributed import DistInfo, seed_for_rank
 from diffpolicy.env_factory import make_envs, step_info
 from diffpolicy.evaluation import EpisodeRecord, Exploration
 from diffpolicy.policies.base import act, to_policy_obs
+from diffpolicy.rl.imitation import WindowStore, concat_batches, imitation_steps, loss_summary
 from diffpolicy.rl.learner import PolicyLearner, RolloutStats, register
+
+__all__ = ["TRAIN_SEED_BASE", "FilteredBCLearner", "WindowStore", "concat_batches", "ema_update"]
 
 TRAIN_SEED_BASE = 10_000_000
 """Training scenes start here: far from the demonstration seeds (0, 1, ...) and the held-out ones
 (``eval_seed`` = 100 000 + i)."""
-
-
-class WindowStore:
-    """Windows (observation at a decision, the Ta actions executed from it) from successful episodes.
-
-    ``obs[key]`` (N, 1, ...) tensors on the CPU (``instruction``: a list of N strings); ``actions``
-    (N, Ta, Da) float32, env units; ``weights`` (N,) float32, how often the continuation draws each window
-    relative to a demonstration's (1; ``algo.keep=advantage``: its scene's advantage).
-    """
-
-    def __init__(self, horizon: int) -> None:
-        self.horizon = horizon
-        self.obs: dict[str, Any] = {}
-        self.actions = torch.zeros(0)
-        self.weights = torch.zeros(0)
-        self._chunks: list[tuple[dict[str, Any], torch.Tensor]] = []
-        self._chunk_weights: list[torch.Tensor] = []
-
-    def __len__(self) -> int:
-        return len(self.actions) + sum(len(a) for _, a in self._chunks)
-
-    def add_episode(self, decisions: list[tuple[dict[str, Any], np.ndarray]], weight: float = 1.0) -> int:
-        """One successful episode: ``decisions`` [(obs of one env at that decision, executed (e, Da))], each
-        window drawn with ``weight``; -> windows added."""
-        executed = np.concatenate([a for _, a in decisions])  # (L, Da): every control step of the episode
-        starts = np.cumsum([0] + [len(a) for _, a in decisions[:-1]])  # (D,) step index of each decision
-        idx = np.minimum(starts[:, None] + np.arange(self.horizon), len(executed) - 1)  # (D, Ta)
-        actions = torch.from_numpy(executed[idx].astype(np.float32))  # (D, Ta, Da)
-        obs: dict[str, Any] = {}
-        for key in decisions[0][0]:
-            values = [o[key] for o, _ in decisions]
-            obs[key] = (
-                [str(v) for v in values]
-                if key == "instruction"
-                else torch.from_numpy(np.stack(values))[:, None]
-            )  # (D, 1, ...)
-        self._chunks.append((obs, actions))
-        self._chunk_weights.append(torch.full((len(actions),), float(weight)))
-        return len(actions)
-
-    def _consolidate(self) -> None:
-        if self._chunks:
-            self.obs, self.actions = concat_batches([(self.obs, self.actions), *self._chunks])
-            self.weights = torch.cat([self.weights, *self._chunk_weights])
-            self._chunks, self._chunk_weights = [], []
-
-    @property
-    def uniform(self) -> bool:
-        """True when every window is drawn alike (no ``keep=advantage`` weights)."""
-        self._consolidate()
-        return bool(torch.all(self.weights == 1.0))
-
-    def batch(self, idx: torch.Tensor, device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
-        """Windows ``idx`` (B,) -> (obs (B, 1, ...) on ``device``, actions (B, Ta, Da))."""
-        self._consolidate()
-        obs = {
-            key: ([value[int(i)] for i in idx] if key == "instruction" else value[idx].to(device))
-            for key, value in self.obs.items()
-        }
-        return obs, self.actions[idx].to(device)
-
-    def state(self) -> dict[str, Any]:
-        self._consolidate()
-        return {"obs": self.obs, "actions": self.actions, "weights": self.weights}
-
-    def load(self, state: dict[str, Any]) -> None:
-        self.obs, self.actions = dict(state["obs"]), state["actions"]
-        self._chunks, self._chunk_weights = [], []
-        self.weights = state.get("weights", torch.ones(len(self.actions)))  # checkpoints before the weights
-
-
-def concat_batches(parts: list[tuple[dict[str, Any], torch.Tensor]]) -> tuple[dict[str, Any], torch.Tensor]:
-    """Join (obs, actions) batches with the same keys along B."""
-    parts = [p for p in parts if len(p[1])]
-    keys = parts[0][0].keys()
-    obs = {
-        k: (
-            [s for o, _ in parts for s in o[k]] if k == "instruction" else torch.cat([o[k] for o, _ in parts])
-        )
-        for k in keys
-    }
-    return obs, torch.cat([a for _, a in parts])
 
 
 @register(FilteredBCConfig)
@@ -272,56 +193,23 @@ class FilteredBCLearner(PolicyLearner):
     # ------------------------------------------------------------------------------------------- update
     def update(self, seed: int, step: int, iteration: int) -> dict[str, float]:
         """``algo.bc_steps`` BC steps from the EMA weights on demonstrations + kept windows."""
-        algo, device = self.cfg.algo, self.rt.device
+        algo = self.cfg.algo
         self.model.load_state_dict(self.policy.state_dict())
         self.model.train()
-        gen = torch.Generator().manual_seed(seed)
         n_demo, n_kept = len(self.demos), len(self.kept)
         batch = min(algo.batch_size or self.cfg.bc.batch_size, n_demo + n_kept)
-        warmup = max(1, algo.bc_steps // 20)
-        # keep=advantage: a kept window is drawn in proportion to its scene's advantage, a demonstration's as 1
-        draw = None if not n_kept or self.kept.uniform else torch.cat([torch.ones(n_demo), self.kept.weights])
-        values = []
-        for k in range(algo.bc_steps):
-            for group in self.optim.param_groups:
-                group["lr"] = algo.lr * min(1.0, (k + 1) / warmup)
-            idx = (
-                torch.randint(0, n_demo + n_kept, (batch,), generator=gen)
-                if draw is None
-                else torch.multinomial(draw, batch, replacement=True, generator=gen)
-            )
-            demo_idx = idx[idx < n_demo]
-            demo_obs, demo_actions = self.demos.batch(demo_idx, device)
-            if self.labelled:
-                demo_obs[TARGET_KEY] = self.demos.target(demo_idx, device)[:, None]  # (b, 1, 3 k)
-            parts = [(demo_obs, demo_actions)]
-            if n_kept:
-                parts.append(self.kept.batch(idx[idx >= n_demo] - n_demo, device))
-            obs, actions = concat_batches(parts)
-            target = obs.pop(TARGET_KEY)[:, 0] if self.labelled else None  # (B, 3 k) m
-            obs, target = shifted_scenes(obs, target, self.cfg.bc, gen)  # BC's augmentation, kept windows too
-            with self.rt.autocast():
-                if self.labelled:
-                    loss, aux_loss, _ = bc_losses(self.model, None, obs, actions, target, self.cfg.bc, gen)
-                    loss = loss + self.cfg.bc.target_aux_weight * aux_loss
-                else:
-                    loss = self.model.bc_loss(obs, actions)
-            self.optim.zero_grad(set_to_none=True)
-            loss.backward()
-            average_gradients(self.params, self.info)
-            torch.nn.utils.clip_grad_norm_(self.params, algo.max_grad_norm or math.inf)
-            self.optim.step()
-            ema_update(self.policy, self.model, self.cfg.bc.ema_decay)
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise ValueError(f"filtered-BC loss is {value} at round {iteration + 1}; lower algo.lr")
-            values.append(value)
+        values = imitation_steps(
+            self.model, self.optim, self.params, self.demos, self.kept, steps=algo.bc_steps, lr=algo.lr,
+            batch_size=batch, labelled=self.labelled, bc_cfg=self.cfg.bc, runtime=self.rt, info=self.info,
+            generator=torch.Generator().manual_seed(seed), max_grad_norm=algo.max_grad_norm,
+            after_step=lambda: ema_update(self.policy, self.model, self.cfg.bc.ema_decay),
+        )  # fmt: skip
         self.policy.eval()
-        tenth = max(1, len(values) // 10)
+        summary = loss_summary(values)
         return {
-            "losses/bc": sum(values) / max(1, len(values)),
-            "losses/bc_first": sum(values[:tenth]) / tenth,  # is the round's continuation still learning?
-            "losses/bc_last": sum(values[-tenth:]) / tenth,
+            "losses/bc": summary["mean"],
+            "losses/bc_first": summary["first"],  # is the round's continuation still learning?
+            "losses/bc_last": summary["last"],
             "train/batch_windows": float(batch),
             "train/kept_windows": float(n_kept),
             "train/added_windows": float(self._added),

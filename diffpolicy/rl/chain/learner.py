@@ -27,6 +27,7 @@ from diffpolicy.rl.buffer import TEXT, RolloutBuffer, ppo_specs
 from diffpolicy.rl.chain.rollout import collect_rollout
 from diffpolicy.rl.chain.update import ChainModules, ppo_update
 from diffpolicy.rl.exploration import tolerated
+from diffpolicy.rl.imitation import WindowStore, imitation_steps, loss_summary, successful_episodes
 from diffpolicy.rl.learner import PolicyLearner, RolloutStats, env_seeds, register
 from diffpolicy.rl.ppo import clip_schedule
 from diffpolicy.rl.self_imitation import SelfImitation
@@ -35,7 +36,8 @@ from diffpolicy.rl.stability import GradMonitor, StateSnapshot
 
 def chain_specs(policy: Any, cond_dim: int) -> dict[str, Any]:
     """Preallocated rollout fields of the chain learner: every observation modality, the chain, log-probs,
-    values, rewards, dones, ``valid`` and the stored condition (reused when the encoders are frozen)."""
+    values, rewards, dones, ``valid``, the stored condition (reused when the encoders are frozen) and, for
+    the imitation anchor, ``success`` and ``executed`` per decision."""
     obs = {
         k: ((), TEXT) if k == "instruction" else (tuple(v), MODALITIES[k].dtype)
         for k, v in policy.obs_spec.items()
@@ -43,6 +45,8 @@ def chain_specs(policy: Any, cond_dim: int) -> dict[str, Any]:
     specs = ppo_specs(obs, ft_steps=policy.ft_steps, horizon=policy.horizon, action_dim=policy.action_dim)
     specs["valid"] = ((), torch.float32)
     specs["cond"] = ((cond_dim,), torch.float32)
+    specs["success"] = ((), torch.float32)
+    specs["executed"] = ((), torch.float32)
     return specs
 
 
@@ -86,9 +90,12 @@ class ChainLearner(PolicyLearner):
             if algo.sil_coef > 0
             else None,
         )
+        self._build_anchor(actor_params)
         self.monitor = GradMonitor(algo.grad_monitor_window, algo.grad_spike_sigma, logger=logger)
+        optims = [self.learner.actor_optim, self.learner.critic_optim]
         self.snapshot = StateSnapshot(
-            {"policy": policy, "critic": self.critic}, [self.learner.actor_optim, self.learner.critic_optim]
+            {"policy": policy, "critic": self.critic},
+            optims if self.anchor_optim is None else [*optims, self.anchor_optim],
         )
         self.venv = make_envs(
             cfg.env, policy.n_action_steps, cfg.env.num_envs, seed_for_rank(cfg.seed, info.rank)
@@ -111,6 +118,39 @@ class ChainLearner(PolicyLearner):
         """What ``algo.explore_tolerance`` measured: the noise scale explored with, the curve it was chosen on
         ([scale, validation figure], scale 0 the noise-free policy), the tolerance, episodes and env steps."""
         self._explore_steps = 0
+
+    def _build_anchor(self, params: list[torch.Tensor]) -> None:
+        """The imitation anchor's demonstrations, kept windows and optimiser (``algo.anchor_steps`` > 0)."""
+        cfg, policy = self.cfg, self.policy
+        self.anchor_optim: torch.optim.Optimizer | None = None
+        self.anchor_kept = WindowStore(policy.horizon)
+        self._anchor_added = 0
+        if cfg.algo.anchor_steps <= 0:
+            return
+        if not hasattr(policy, "bc_loss"):
+            raise ValueError("algo.anchor_steps imitates through a BC loss; this policy has none")
+        if getattr(policy, "base_denoiser", None) is not None:
+            raise ValueError(
+                "algo.anchor_steps trains the denoiser at every noise level, but the first denoising steps "
+                "run a frozen base here: set algo.action_std > 0 or algo.ft_fraction=1"
+            )
+        from diffpolicy.data.windows import DemoWindows
+        from diffpolicy.demos import demonstrations
+
+        demos, _ = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir)  # the ones BC was cloned from
+        self.anchor_demos = DemoWindows(demos, 1, policy.horizon, obs_keys=list(policy.obs_spec))
+        self.anchor_optim = torch.optim.AdamW(params, lr=cfg.algo.anchor_lr)
+
+    def _keep_successes(self) -> None:
+        """Add the windows of the rollout's successful episodes to the anchor's store."""
+        data = self.buffer.get()
+        if "success" not in data:
+            return
+        chunks = self.policy.action_normalizer.unnormalize(data["chains"][:, :, -1].float())  # (T, N, Ta, Da)
+        episodes = successful_episodes(
+            data, list(self.policy.obs_spec), chunks.cpu().numpy(), self.buffer.decode
+        )
+        self._anchor_added = sum(self.anchor_kept.add_episode(e) for e in episodes)
 
     def begin(self) -> None:
         """Called once the starting weights are in place (fresh or resumed): the NaN guard's first snapshot
@@ -169,6 +209,8 @@ class ChainLearner(PolicyLearner):
         stats.env_steps += self._explore_steps  # the measurement's episodes: once, in the first iteration
         self._explore_steps = 0
         self._last = self._advantages(last_value)
+        if self.anchor_optim is not None:
+            self._keep_successes()
         if self.learner.kept is not None:  # decisions whose return beat their value, kept for self-imitation
             data = self.buffer.get()
             self.learner.kept.add(
@@ -204,6 +246,20 @@ class ChainLearner(PolicyLearner):
             train_actor=self.grpo or iteration >= self.cfg.algo.critic_warmup,
         )  # fmt: skip
         losses["rollout/advantage_std"] = float(adv.std())
+        if self.anchor_optim is not None:
+            algo = self.cfg.algo
+            self.policy.train()
+            values = imitation_steps(
+                self.policy, self.anchor_optim, [p for p in self.policy.parameters() if p.requires_grad],
+                self.anchor_demos, self.anchor_kept, steps=algo.anchor_steps, lr=algo.anchor_lr,
+                batch_size=algo.anchor_batch or self.cfg.bc.batch_size, labelled=False, bc_cfg=self.cfg.bc,
+                runtime=self.rt, info=self.info, generator=torch.Generator().manual_seed(seed + 1),
+                max_grad_norm=algo.max_grad_norm,
+            )  # fmt: skip
+            summary = loss_summary(values)
+            losses["losses/anchor"], losses["losses/anchor_last"] = summary["mean"], summary["last"]
+            losses["train/anchor_windows"] = float(len(self.anchor_kept))
+            losses["train/anchor_added"] = float(self._anchor_added)
         if self.learner.kept is not None:
             losses["rollout/sil_kept"] = float(self.learner.kept.size)
         return losses
@@ -214,6 +270,11 @@ class ChainLearner(PolicyLearner):
             **({"reward_scaler": self.reward_scaler.state_dict()} if self.reward_scaler is not None else {}),
             **({"exploration": self.exploration} if self.exploration is not None else {}),
             **({"kept": learner.kept.state_dict()} if learner.kept is not None else {}),
+            **(
+                {"anchor": {"kept": self.anchor_kept.state(), "optim": self.anchor_optim.state_dict()}}
+                if self.anchor_optim is not None
+                else {}
+            ),
             "critic": learner.critic.state_dict(),
             "actor_optim": learner.actor_optim.state_dict(),
             "critic_optim": learner.critic_optim.state_dict(),
@@ -237,6 +298,9 @@ class ChainLearner(PolicyLearner):
             self.reward_scaler.load_state_dict(state["reward_scaler"])
         if learner.kept is not None and "kept" in state:
             learner.kept.load_state_dict(state["kept"])
+        if self.anchor_optim is not None and "anchor" in state:
+            self.anchor_kept.load(state["anchor"]["kept"])
+            self.anchor_optim.load_state_dict(state["anchor"]["optim"])
         if "exploration" in state:  # the measured noise scale, explored with since the run's start
             self.exploration = dict(state["exploration"])
             scale = float(self.exploration["noise_scale"])

@@ -44,7 +44,8 @@ def collect_rollout(
     ``bootstrap``, ``gamma * V(final obs)`` is added, so GAE never bootstraps across episodes; that part is
     also stored alone as ``bootstraps``, so a reward scaler can leave it out), ``dones``
     and ``valid`` (0 for decisions after an environment's first episode when ``first_episode_only``, used by
-    GRPO).
+    GRPO); where the buffer has the fields, also ``success`` (1 where the decision's executed actions reached
+    ``info["is_success"]``) and ``executed`` (how many of its Te actions ran before the episode ended).
 
     Args:
         seeds: one reset seed per environment (equal seeds make a GRPO group).
@@ -102,6 +103,12 @@ def collect_rollout(
             dones=torch.from_numpy(done.astype(np.float32)),
             valid=torch.from_numpy(valid.astype(np.float32)),
             **({"cond": out.cond} if "cond" in buffer.fields else {}),
+            **({"success": torch.from_numpy(succ.astype(np.float32))} if "success" in buffer.fields else {}),
+            **(
+                {"executed": torch.from_numpy(executed.astype(np.float32))}
+                if "executed" in buffer.fields
+                else {}
+            ),
         )
         for i in np.flatnonzero(done & valid):
             stats.end_episode(ep_return[i], succ[i])
