@@ -3,6 +3,7 @@ rollout, the direction of its steps, and a tiny run that trains, checkpoints and
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,10 +52,11 @@ def test_successful_episodes_are_the_ones_that_reached_success() -> None:
     assert sum(store.add_episode(e) for e in episodes) == 5
 
 
-def _anchored_learner(policy, kept_sign: float) -> ChainLearner:
+def _anchored_learner(policy, kept_sign: float, ema: float) -> ChainLearner:
     """A chain learner in its critic warm-up (PPO leaves the actor alone), whose last rollout holds, from one
     observation, a successful episode that executed ``kept_sign`` * 0.6 and a failed one that executed the
-    opposite; the demonstrations are one window elsewhere."""
+    opposite; the demonstrations are one window elsewhere. ``ema`` > 0: the anchor trains a copy the
+    deployed weights follow as an EMA of that decay."""
     T, N = 2, 2
     s0 = np.full(5, 0.3, np.float32)
     specs = ppo_specs({"state": ((5,), torch.float32)}, ft_steps=1, horizon=8, action_dim=2)
@@ -86,22 +88,26 @@ def _anchored_learner(policy, kept_sign: float) -> ChainLearner:
     learner.anchor_kept, learner._anchor_added = WindowStore(8), 0
     learner.anchor_demos = WindowStore(8)
     learner.anchor_demos.add_episode([({"state": -s0}, np.zeros((4, 2), np.float32))] * 2)
-    learner.anchor_optim = torch.optim.AdamW(params, lr=algo.anchor_lr)
+    learner.anchor_model, learner.anchor_decay = (copy.deepcopy(policy) if ema else None), ema
+    trained = learner.anchor_model or policy
+    learner.anchor_optim = torch.optim.AdamW(
+        [p for p in trained.parameters() if p.requires_grad], lr=algo.anchor_lr
+    )
     learner._keep_successes()
     return learner
 
 
-@pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_the_anchor_moves_the_deployed_chunk_toward_the_successful_episode(sign: float) -> None:
+@pytest.mark.parametrize(("sign", "ema"), [(1.0, 0.0), (-1.0, 0.0), (1.0, 0.9), (-1.0, 0.9)])
+def test_the_anchor_moves_the_deployed_chunk_toward_the_successful_episode(sign: float, ema: float) -> None:
     """Direction of the anchor: after a rollout whose successful episode executed sign * 0.6 from s0 and whose
     failed one executed the opposite, the update's anchor steps pull the deployed noise-free action at s0 to
-    the success's side (PPO is in its critic warm-up, so the anchor alone moves the actor). An anchor that
-    kept the failure, or both, would not."""
+    the success's side (PPO is in its critic warm-up, so the anchor alone moves the actor), trained directly
+    or followed as an EMA. An anchor that kept the failure, or both, would not."""
     policy = _tiny_policy()
     policy.obs_spec = {"state": [5]}  # what a built policy carries (diffpolicy.policy_io)
     policy.set_sampling(ft_steps=1, eta=1.0, min_std=0.05, action_std=0.05, freeze=False)
     policy.set_freeze_encoders(True)
-    learner = _anchored_learner(policy, sign)
+    learner = _anchored_learner(policy, sign, ema)
     assert len(learner.anchor_kept) == 2  # the successful episode's two decisions, not the failed one's
     at_s0 = {"state": torch.full((1, 1, 5), 0.3)}
     x_k = torch.zeros(1, 8, 2)

@@ -270,6 +270,10 @@ class ChainConfig(SamplingConfig, PPOConfig):
     """AdamW learning rate of the anchor's steps (its own optimiser; warmed up over a twentieth of them)."""
     anchor_batch: int | None = None
     """Windows per anchor step (null: ``bc.batch_size``)."""
+    anchor_ema: float | None = None
+    """The anchor's steps train a copy restarted from the deployed weights each iteration, and the deployed
+    policy follows it as an exponential moving average of this decay, as BC and ``algo=filtered_bc`` deploy
+    their EMA (null: ``bc.ema_decay``; 0: the steps train the deployed weights themselves)."""
 
     def __post_init__(self) -> None:
         PPOConfig.__post_init__(self)
@@ -323,6 +327,10 @@ class ChainConfig(SamplingConfig, PPOConfig):
         _positive("algo.anchor_lr", self.anchor_lr)
         if self.anchor_batch is not None:
             _positive("algo.anchor_batch", self.anchor_batch)
+        if self.anchor_ema is not None and not 0.0 <= self.anchor_ema < 1.0:
+            raise ValueError(
+                f"algo.anchor_ema={self.anchor_ema} must lie in [0, 1) (or be null: bc.ema_decay)"
+            )
         if self.sil_coef > 0 and (self.advantage != "gae" or self.finetune_encoders):
             raise ValueError(
                 "algo.sil_coef > 0 keeps decisions as the frozen encoders' condition and weighs them by a "

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from diffpolicy import checkpoint
+from diffpolicy.bc import adamw, ema_update
 from diffpolicy.config import ChainConfig, TrainConfig
 from diffpolicy.device import Runtime
 from diffpolicy.distributed import DistInfo, rank_mean, seed_for_rank
@@ -123,6 +124,7 @@ class ChainLearner(PolicyLearner):
         """The imitation anchor's demonstrations, kept windows and optimiser (``algo.anchor_steps`` > 0)."""
         cfg, policy = self.cfg, self.policy
         self.anchor_optim: torch.optim.Optimizer | None = None
+        self.anchor_model: Any = None
         self.anchor_kept = WindowStore(policy.horizon)
         self._anchor_added = 0
         if cfg.algo.anchor_steps <= 0:
@@ -139,7 +141,12 @@ class ChainLearner(PolicyLearner):
 
         demos, _ = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir)  # the ones BC was cloned from
         self.anchor_demos = DemoWindows(demos, 1, policy.horizon, obs_keys=list(policy.obs_spec))
-        self.anchor_optim = torch.optim.AdamW(params, lr=cfg.algo.anchor_lr)
+        decay = cfg.bc.ema_decay if cfg.algo.anchor_ema is None else cfg.algo.anchor_ema
+        self.anchor_decay = float(decay)
+        if self.anchor_decay > 0:  # a training copy; the deployed policy follows it as an EMA
+            self.anchor_model = copy.deepcopy(policy)
+            params = [p for p in self.anchor_model.parameters() if p.requires_grad]
+        self.anchor_optim = adamw(params, cfg.algo.anchor_lr)
 
     def _keep_successes(self) -> None:
         """Add the windows of the rollout's successful episodes to the anchor's store."""
@@ -151,6 +158,29 @@ class ChainLearner(PolicyLearner):
             data, list(self.policy.obs_spec), chunks.cpu().numpy(), self.buffer.decode
         )
         self._anchor_added = sum(self.anchor_kept.add_episode(e) for e in episodes)
+
+    def _anchor_steps(self, seed: int) -> list[float]:
+        """``algo.anchor_steps`` BC steps on the demonstrations + kept windows: on a copy restarted from the
+        deployed weights, which follow it as an EMA (``algo.anchor_ema``), or on the deployed weights."""
+        algo, policy = self.cfg.algo, self.policy
+        model = policy if self.anchor_model is None else self.anchor_model
+        after = None
+        if self.anchor_model is not None:
+            model.load_state_dict(policy.state_dict())
+
+            def after() -> None:
+                with torch.no_grad():
+                    ema_update(policy, model, self.anchor_decay)
+
+        model.train()
+        values = imitation_steps(
+            model, self.anchor_optim, [p for p in model.parameters() if p.requires_grad], self.anchor_demos,
+            self.anchor_kept, steps=algo.anchor_steps, lr=algo.anchor_lr,
+            batch_size=algo.anchor_batch or self.cfg.bc.batch_size, labelled=False, bc_cfg=self.cfg.bc,
+            runtime=self.rt, info=self.info, generator=torch.Generator().manual_seed(seed + 1),
+            max_grad_norm=algo.max_grad_norm, after_step=after,
+        )  # fmt: skip
+        return values
 
     def begin(self) -> None:
         """Called once the starting weights are in place (fresh or resumed): the NaN guard's first snapshot
@@ -247,15 +277,7 @@ class ChainLearner(PolicyLearner):
         )  # fmt: skip
         losses["rollout/advantage_std"] = float(adv.std())
         if self.anchor_optim is not None:
-            algo = self.cfg.algo
-            self.policy.train()
-            values = imitation_steps(
-                self.policy, self.anchor_optim, [p for p in self.policy.parameters() if p.requires_grad],
-                self.anchor_demos, self.anchor_kept, steps=algo.anchor_steps, lr=algo.anchor_lr,
-                batch_size=algo.anchor_batch or self.cfg.bc.batch_size, labelled=False, bc_cfg=self.cfg.bc,
-                runtime=self.rt, info=self.info, generator=torch.Generator().manual_seed(seed + 1),
-                max_grad_norm=algo.max_grad_norm,
-            )  # fmt: skip
+            values = self._anchor_steps(seed)
             summary = loss_summary(values)
             losses["losses/anchor"], losses["losses/anchor_last"] = summary["mean"], summary["last"]
             losses["train/anchor_windows"] = float(len(self.anchor_kept))
