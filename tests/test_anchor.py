@@ -52,11 +52,11 @@ def test_successful_episodes_are_the_ones_that_reached_success() -> None:
     assert sum(store.add_episode(e) for e in episodes) == 5
 
 
-def _anchored_learner(policy, kept_sign: float, ema: float) -> ChainLearner:
+def _anchored_learner(policy, kept_sign: float, ema: float, encoders: bool = False) -> ChainLearner:
     """A chain learner in its critic warm-up (PPO leaves the actor alone), whose last rollout holds, from one
     observation, a successful episode that executed ``kept_sign`` * 0.6 and a failed one that executed the
     opposite; the demonstrations are one window elsewhere. ``ema`` > 0: the anchor trains a copy the
-    deployed weights follow as an EMA of that decay."""
+    deployed weights follow as an EMA of that decay (``encoders``: encoders included)."""
     T, N = 2, 2
     s0 = np.full(5, 0.3, np.float32)
     specs = ppo_specs({"state": ((5,), torch.float32)}, ft_steps=1, horizon=8, action_dim=2)
@@ -89,6 +89,8 @@ def _anchored_learner(policy, kept_sign: float, ema: float) -> ChainLearner:
     learner.anchor_demos = WindowStore(8)
     learner.anchor_demos.add_episode([({"state": -s0}, np.zeros((4, 2), np.float32))] * 2)
     learner.anchor_model, learner.anchor_decay = (copy.deepcopy(policy) if ema else None), ema
+    if encoders:
+        learner.anchor_model.set_freeze_encoders(False)
     trained = learner.anchor_model or policy
     learner.anchor_optim = torch.optim.AdamW(
         [p for p in trained.parameters() if p.requires_grad], lr=algo.anchor_lr
@@ -138,3 +140,20 @@ def test_a_tiny_run_with_the_anchor_and_held_noise_trains_and_resumes(
     with pytest.raises(ValueError, match="frozen base"):  # K' = 2 of K = 4 without action_std
         main(compose("train", [*TINY_RUN, *TINY_POLICY, f"policy.init={init_ckpt}", "algo.anchor_steps=3"]),
              tmp_path / "base")  # fmt: skip
+
+
+@pytest.mark.parametrize("encoders", [False, True])
+def test_the_anchor_trains_the_encoders_only_when_asked(encoders: bool) -> None:
+    """``algo.anchor_encoders``: the deployed encoders follow the anchor's copy by the EMA (and stay frozen to
+    PPO, which reuses the stored conditions); without it they do not move."""
+    policy = _tiny_policy()
+    policy.obs_spec = {"state": [5]}
+    policy.set_sampling(ft_steps=1, eta=1.0, min_std=0.05, action_std=0.05, freeze=False)
+    policy.set_freeze_encoders(True)
+    before = [p.detach().clone() for p in policy.obs_encoder.parameters()]
+    learner = _anchored_learner(policy, 1.0, 0.9, encoders=encoders)
+    learner.update(seed=0, step=0, iteration=0)
+    moved = any(not torch.equal(a, p) for a, p in zip(before, policy.obs_encoder.parameters()))
+    assert moved == encoders and policy.encoders_frozen
+    with pytest.raises(ValueError, match="anchor_ema"):
+        ChainConfig(anchor_encoders=True, anchor_ema=0.0)

@@ -274,6 +274,10 @@ class ChainConfig(SamplingConfig, PPOConfig):
     """The anchor's steps train a copy restarted from the deployed weights each iteration, and the deployed
     policy follows it as an exponential moving average of this decay, as BC and ``algo=filtered_bc`` deploy
     their EMA (null: ``bc.ema_decay``; 0: the steps train the deployed weights themselves)."""
+    anchor_encoders: bool = False
+    """The anchor's steps also train the observation encoders (as BC and ``algo=filtered_bc`` do), on its
+    copy; the deployed encoders follow by the EMA between iterations, so PPO's update still reuses each
+    decision's stored condition. Needs the EMA (``anchor_ema`` not 0)."""
 
     def __post_init__(self) -> None:
         PPOConfig.__post_init__(self)
@@ -330,6 +334,11 @@ class ChainConfig(SamplingConfig, PPOConfig):
         if self.anchor_ema is not None and not 0.0 <= self.anchor_ema < 1.0:
             raise ValueError(
                 f"algo.anchor_ema={self.anchor_ema} must lie in [0, 1) (or be null: bc.ema_decay)"
+            )
+        if self.anchor_encoders and self.anchor_ema == 0:
+            raise ValueError(
+                "algo.anchor_encoders trains the encoders on the anchor's copy, which the deployed policy "
+                "follows by its EMA: algo.anchor_ema must not be 0"
             )
         if self.sil_coef > 0 and (self.advantage != "gae" or self.finetune_encoders):
             raise ValueError(

@@ -145,6 +145,8 @@ class ChainLearner(PolicyLearner):
         self.anchor_decay = float(decay)
         if self.anchor_decay > 0:  # a training copy; the deployed policy follows it as an EMA
             self.anchor_model = copy.deepcopy(policy)
+            if cfg.algo.anchor_encoders:
+                self.anchor_model.set_freeze_encoders(False)
             params = [p for p in self.anchor_model.parameters() if p.requires_grad]
         self.anchor_optim = adamw(params, cfg.algo.anchor_lr)
 
