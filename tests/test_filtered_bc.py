@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffpolicy.rl.filtered_bc import WindowStore, concat_batches, ema_update
+from diffpolicy.bc import ema_update
+from diffpolicy.rl.imitation import WindowStore, concat_batches
 
 
 def test_window_store_builds_demo_style_windows() -> None:

@@ -285,9 +285,9 @@ class DiffusionPolicy(PolicyBase):
         noise is correlated, the mean of the clamped element log-probs when it is not): (...) fp32."""
         std = self._ratio_std(std)
         if self.action_corr > 0:
-            window = self.exec_slice
-            lp = correlated_normal_log_prob(x[..., window, :], mean[..., window, :], std, self.action_corr)
-            return lp.mean(-1) / x[..., window, :].shape[-2]
+            executed, centre = x[..., self.exec_slice, :], mean[..., self.exec_slice, :]
+            lp = correlated_normal_log_prob(executed, centre, std, self.action_corr)  # (..., Da)
+            return lp.mean(-1) / executed.shape[-2]
         return self.reduce_executed(self._clamp_log_prob(normal_log_prob(x, mean, std)))
 
     def _action_std_tensor(self, device: torch.device) -> torch.Tensor:

@@ -56,10 +56,8 @@ from diffpolicy.distributed import DistInfo, seed_for_rank
 from diffpolicy.env_factory import make_envs, step_info
 from diffpolicy.evaluation import EpisodeRecord, Exploration
 from diffpolicy.policies.base import act, to_policy_obs
-from diffpolicy.rl.imitation import WindowStore, concat_batches, imitation_steps, loss_summary
+from diffpolicy.rl.imitation import WindowStore, imitation_steps, loss_summary
 from diffpolicy.rl.learner import PolicyLearner, RolloutStats, register
-
-__all__ = ["TRAIN_SEED_BASE", "FilteredBCLearner", "WindowStore", "concat_batches", "ema_update"]
 
 TRAIN_SEED_BASE = 10_000_000
 """Training scenes start here: far from the demonstration seeds (0, 1, ...) and the held-out ones

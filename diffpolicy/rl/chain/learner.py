@@ -153,8 +153,6 @@ class ChainLearner(PolicyLearner):
     def _keep_successes(self) -> None:
         """Add the windows of the rollout's successful episodes to the anchor's store."""
         data = self.buffer.get()
-        if "success" not in data:
-            return
         chunks = self.policy.action_normalizer.unnormalize(data["chains"][:, :, -1].float())  # (T, N, Ta, Da)
         episodes = successful_episodes(
             data, list(self.policy.obs_spec), chunks.cpu().numpy(), self.buffer.decode
@@ -175,14 +173,13 @@ class ChainLearner(PolicyLearner):
                     ema_update(policy, model, self.anchor_decay)
 
         model.train()
-        values = imitation_steps(
+        return imitation_steps(
             model, self.anchor_optim, [p for p in model.parameters() if p.requires_grad], self.anchor_demos,
             self.anchor_kept, steps=algo.anchor_steps, lr=algo.anchor_lr,
             batch_size=algo.anchor_batch or self.cfg.bc.batch_size, labelled=False, bc_cfg=self.cfg.bc,
             runtime=self.rt, info=self.info, generator=torch.Generator().manual_seed(seed + 1),
             max_grad_norm=algo.max_grad_norm, after_step=after,
         )  # fmt: skip
-        return values
 
     def begin(self) -> None:
         """Called once the starting weights are in place (fresh or resumed): the NaN guard's first snapshot
