@@ -40,6 +40,11 @@ class MinMaxNormalizer(nn.Module):
         scale = torch.where(span > self.eps, 2.0 / span.clamp_min(self.eps), torch.ones_like(span))
         return scale, (self.high + self.low) / 2
 
+    @property
+    def scale(self) -> torch.Tensor:
+        """(D,) normalised units per raw unit: 2 / range, 1 on a constant dimension."""
+        return self._scale_center()[0]
+
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """(..., D) raw units -> (..., D) in [-1, 1] on the fitted range."""
         scale, center = self._scale_center()

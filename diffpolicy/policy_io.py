@@ -325,6 +325,8 @@ def sampling_of(ckpt: Checkpoint) -> dict[str, Any]:
         for key in ("noise_scale", "action_std", "action_corr"):
             if key in raw:
                 out[key] = float(raw[key])
+        if raw.get("action_std_env"):
+            out["action_std_env"] = True
         return out
     except (TypeError, ValueError):
         raise CheckpointError(f"checkpoint {ckpt.path}: its sampling {raw} is not K', eta, min_std") from None

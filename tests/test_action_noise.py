@@ -72,14 +72,16 @@ def test_sampled_chunk_and_log_prob_match_references() -> None:
 
 
 def _moved(
-    sign: float, lr: float = 1e-5, epochs: int = 3, corr: float = 0.0
+    sign: float, lr: float = 1e-5, epochs: int = 3, corr: float = 0.0, env_units: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One PPO update of an action-noise toy rollout whose advantages are ``sign`` for every decision: the
     noise-free chunks' squared distance from the executed ones (before, after), per decision. ``corr``:
-    the noise's correlation across the chunk."""
+    the noise's correlation across the chunk; ``env_units``: its std in env units."""
     policy = noisy()
-    if corr:
-        policy.set_sampling(**{**policy.sampling, "action_corr": corr}, freeze=False)
+    if corr or env_units:
+        policy.set_sampling(
+            **{**policy.sampling, "action_corr": corr, "action_std_env": env_units}, freeze=False
+        )
     T, N = 2, 4
     buffer = toy_rollout(policy, T, N)
     data = buffer.get()
@@ -101,7 +103,7 @@ def _moved(
     before = gap()
     cfg = ChainConfig(
         update_epochs=epochs, minibatch_size=8, target_kl=0.0, norm_adv="none", action_std=SIGMA,
-        action_corr=corr,
+        action_corr=corr, action_std_units="env" if env_units else "normalized",
     )  # fmt: skip
     ppo_update(
         learner, buffer, torch.full((T, N), sign), torch.zeros(T, N), cfg, clip_eps=torch.full((1,), 0.2),
@@ -111,13 +113,18 @@ def _moved(
     return before, gap()
 
 
-@pytest.mark.parametrize("corr", [0.0, 0.8])
-def test_ppo_moves_the_noise_free_chain_toward_chunks_with_positive_advantage(corr: float) -> None:
+@pytest.mark.parametrize(
+    ("corr", "env_units", "lr"), [(0.0, False, 1e-5), (0.8, False, 1e-5), (1.0, True, 1e-4)]
+)
+def test_ppo_moves_the_noise_free_chain_toward_chunks_with_positive_advantage(
+    corr: float, env_units: bool, lr: float
+) -> None:
     """Direction: a positive advantage pulls the deployed noise-free chunk toward what was executed (its
-    log-probability rises), a negative one pushes it away; with independent and with correlated noise."""
-    before, after = _moved(+1.0, corr=corr)
+    log-probability rises), a negative one pushes it away; with independent, correlated and held noise (whose
+    per-element log-prob holds Da numbers per decision, not Te Da, so it moves less per step)."""
+    before, after = _moved(+1.0, lr=lr, corr=corr, env_units=env_units)
     assert after.mean() < before.mean() and (after < before).float().mean() >= 0.75
-    before, after = _moved(-1.0, corr=corr)
+    before, after = _moved(-1.0, lr=lr, corr=corr, env_units=env_units)
     assert after.mean() > before.mean() and (after > before).float().mean() >= 0.75
 
 
@@ -188,3 +195,58 @@ def test_correlated_action_noise_is_held_over_the_chunk_and_its_log_prob_is_exac
     with pytest.raises(ValueError, match="logprob_clamp"):
         ChainConfig(action_std=0.05, action_corr=0.5, logprob_clamp=[-5.0, 2.0])
     assert ChainConfig(action_std=0.05, action_corr=0.5).sampling()["action_corr"] == 0.5
+
+
+def test_held_log_prob_is_the_offsets_normal_density_and_blind_to_the_chunks_shape() -> None:
+    """For x = mean + std z 1 (one draw per dimension held over the steps) the held log-probability is
+    ``torch.distributions.Normal(0, std).log_prob`` of the offset std z; a change of the mean that keeps its
+    average over the steps leaves it unchanged, a shift of the average moves it as the Normal says."""
+    from diffpolicy.policies.base import held_normal_log_prob
+
+    g = torch.Generator().manual_seed(0)
+    te, da = 6, 3
+    std = torch.tensor([0.2, 0.05, 1.0], dtype=torch.float64)  # one per dimension
+    mean = torch.randn(4, te, da, generator=g, dtype=torch.float64)
+    z = torch.randn(4, 1, da, generator=g, dtype=torch.float64)
+    x = mean + std * z
+    ref = torch.distributions.Normal(torch.zeros(da, dtype=torch.float64), std).log_prob(std * z[:, 0])
+    torch.testing.assert_close(held_normal_log_prob(x, mean, std), ref)
+    shape = torch.randn(4, te, da, generator=g, dtype=torch.float64)
+    shape = shape - shape.mean(1, keepdim=True)  # zero average over the steps
+    torch.testing.assert_close(held_normal_log_prob(x, mean + shape, std), ref)
+    shifted = torch.distributions.Normal(torch.zeros(da, dtype=torch.float64), std).log_prob(
+        std * z[:, 0] - 0.1
+    )
+    torch.testing.assert_close(held_normal_log_prob(x, mean + 0.1, std), shifted)
+
+
+def test_held_noise_in_env_units_is_filtered_bcs_exploration() -> None:
+    """``action_corr=1`` with ``action_std_env``: every executed step of a chunk carries the same noise, whose
+    std in env units is ``action_std`` on every dimension (normalised: times the normaliser's scale, so the
+    dimensions differ); the stored log-prob is the offset's Normal density per element and is re-evaluated
+    unchanged (ratio 1)."""
+    policy = noisy()
+    policy.action_normalizer.low.copy_(torch.linspace(-0.2, -1.0, policy.action_dim))
+    policy.action_normalizer.high.copy_(torch.linspace(0.2, 1.0, policy.action_dim))
+    policy.set_sampling(**{**policy.sampling, "action_corr": 1.0, "action_std_env": True}, freeze=False)
+    assert policy.sampling["action_corr"] == 1.0 and policy.sampling["action_std_env"]
+    out = policy.sample(obs(512), return_chain=True, generator=torch.Generator().manual_seed(5))
+    mean_env = policy.action_normalizer.unnormalize(out.means[:, 0])
+    noise = out.actions - mean_env  # (B, Ta, Da) env units
+    torch.testing.assert_close(noise, noise[:, :1].expand_as(noise), atol=1e-5, rtol=0)  # held
+    per_dim = noise[:, 0].std(0)
+    assert torch.all((per_dim - SIGMA).abs() < 0.15 * SIGMA), per_dim
+    scale = policy.action_normalizer.scale
+    ex = policy.exec_slice
+    offset = (out.chain[:, 1, ex] - out.means[:, 0, ex]).mean(1)  # (B, Da) normalised
+    lp = torch.distributions.Normal(torch.zeros_like(scale), SIGMA * scale).log_prob(offset)
+    te = out.chain[:, 1, ex].shape[1]
+    torch.testing.assert_close(out.log_probs[:, 0], lp.mean(-1) / te, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(policy.log_prob(out.chain, cond=out.cond), out.log_probs, atol=1e-4, rtol=1e-5)
+    assert ChainConfig(action_std=0.05, action_corr=1.0, action_std_units="env").sampling()["action_std_env"]
+    with pytest.raises(ValueError, match="action_std_units"):
+        ChainConfig(action_std=0.05, action_std_units="metres")
+    with pytest.raises(ValueError, match="action_std_units=env"):
+        ChainConfig(action_std_units="env")
+    with pytest.raises(ValueError, match="action_corr"):
+        ChainConfig(action_std=0.05, action_corr=1.5)

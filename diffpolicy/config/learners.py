@@ -254,11 +254,18 @@ class ChainConfig(SamplingConfig, PPOConfig):
     """Weight of the kept decisions' value loss 0.5 (R - V)+^2 inside the self-imitation term (the paper's
     beta)."""
     action_corr: float = 0.0
-    """``action_std`` > 0: correlation in [0, 1) of the action noise across a chunk's steps (each entry is
+    """``action_std`` > 0: correlation in [0, 1] of the action noise across a chunk's steps (each entry is
     sqrt(corr) x one draw per decision and action dimension + sqrt(1 - corr) x a draw per step), so the noise
     moves where the chunk goes rather than jittering around it, as filtered_bc's held noise does; the ratio
     is that Gaussian's exact joint log-probability over the executed steps (per element), so it needs
-    ``logprob_clamp: []``. 0: independent noise per entry."""
+    ``logprob_clamp: []``. 0: independent noise per entry. 1: one draw per decision and action dimension held
+    over the chunk and nothing else (filtered_bc's exploration); the ratio is then the density of the
+    executed steps' mean offset from the chain, so PPO's gradient moves the chunk's average over its
+    executed steps and not its shape (:func:`~diffpolicy.policies.base.held_normal_log_prob`)."""
+    action_std_units: str = "normalized"
+    """Units of ``action_std``: normalized (one std on every dimension of the normalised action) | env (env
+    units on every dimension, one std per normalised dimension through the action normaliser's scale, as
+    ``algo=filtered_bc``'s ``explore_std`` is given)."""
     anchor_steps: int = 0
     """Imitation anchor (:mod:`diffpolicy.rl.imitation`): after each PPO update, this many BC steps on the
     demonstrations plus every window of the rollouts' successful episodes (drawn uniformly, as
@@ -318,8 +325,13 @@ class ChainConfig(SamplingConfig, PPOConfig):
             _positive(f"algo.{name}", getattr(self, name), allow_zero=True)
         _positive("algo.sil_capacity", self.sil_capacity)
         _choice("algo.sil_loss", self.sil_loss, ("chain", "denoise"))
-        if not 0.0 <= self.action_corr < 1.0:
-            raise ValueError(f"algo.action_corr={self.action_corr} must lie in [0, 1)")
+        if not 0.0 <= self.action_corr <= 1.0:
+            raise ValueError(f"algo.action_corr={self.action_corr} must lie in [0, 1]")
+        _choice("algo.action_std_units", self.action_std_units, ("normalized", "env"))
+        if self.action_std_units == "env" and self.action_std <= 0:
+            raise ValueError(
+                "algo.action_std_units=env gives algo.action_std in env units: set algo.action_std > 0"
+            )
         if self.action_corr > 0 and self.action_std <= 0:
             raise ValueError("algo.action_corr correlates action-space noise: set algo.action_std > 0")
         if self.action_corr > 0 and list(self.logprob_clamp):
@@ -353,6 +365,8 @@ class ChainConfig(SamplingConfig, PPOConfig):
             out["action_std"] = self.action_std
             if self.action_corr > 0:
                 out["action_corr"] = self.action_corr
+            if self.action_std_units == "env":
+                out["action_std_env"] = True
         return out
 
 

@@ -73,6 +73,18 @@ def correlated_normal_log_prob(
     return -0.5 * (quad + logdet) - te * _HALF_LOG_2PI
 
 
+def held_normal_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor | float) -> torch.Tensor:
+    """log N(u; 0, std^2) of the held offset u = mean over the steps of (x - mean): x, mean (..., Te, Da) ->
+    (..., Da). The density of x = mean + std z 1 (one draw z per action dimension held over the Te steps: the
+    corr = 1 limit of :func:`correlated_normal_log_prob`), taken on the offset alone, so a change of the mean
+    that leaves its average over the steps unchanged leaves the log-probability unchanged (the chunk's shape
+    is the deterministic chain's, which this likelihood does not see). ``std`` broadcasts to x and is the
+    same along the steps."""
+    std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
+    offset = (x - mean).mean(-2)  # (..., Da)
+    return normal_log_prob(offset, torch.zeros_like(offset), std.expand_as(mean).mean(-2))
+
+
 class PolicyBase(nn.Module):
     """What diffusion and Gaussian policies share: encoders, action normaliser, acting and reductions."""
 

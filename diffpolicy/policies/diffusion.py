@@ -30,6 +30,7 @@ from diffpolicy.policies.base import (
     PolicyBase,
     SampleOutput,
     correlated_normal_log_prob,
+    held_normal_log_prob,
     normal_log_prob,
 )
 
@@ -74,6 +75,7 @@ class DiffusionPolicy(PolicyBase):
         x = mean + std z, in std units (DPPO's ``randn_clip_value``: 3); 0 disables."""
         self.action_std = 0.0
         self.action_corr = 0.0
+        self.action_std_env = False
         """> 0: the chain learner's policy is Gaussian around the noise-free chain, N(chain(x_K), sigma^2) over
         the chunk (normalised units, sigma = this x the schedule's ``noise_scale``): one "transition" from x_K
         to the executed chunk, whose log-probability is differentiated back through all K steps (see
@@ -95,6 +97,7 @@ class DiffusionPolicy(PolicyBase):
         noise_scale: float = 1.0,
         action_std: float = 0.0,
         action_corr: float = 0.0,
+        action_std_env: bool = False,
         freeze: bool = True,
     ) -> None:
         """Change how chains are sampled (K' stochastic steps, eta, the std floor, the scale of the K' steps'
@@ -116,14 +119,20 @@ class DiffusionPolicy(PolicyBase):
         x_K with gradients through every one of the K steps (all fine-tuned: no frozen base). The policy that
         is deployed (every step's mean) is then the mean of the policy that explores, as in NCDPO (Yang et
         al. 2025), where DPPO's stochastic steps explore with a policy the deployed one only approximates.
-        ``action_corr`` in [0, 1) correlates that noise across the chunk's steps (one draw per action
+        ``action_corr`` in [0, 1] correlates that noise across the chunk's steps (one draw per action
         dimension held over the chunk, weight sqrt(corr), plus one per step, sqrt(1 - corr)), and its
-        log-probability is the joint one over the executed steps (:func:`correlated_normal_log_prob`).
+        log-probability is the joint one over the executed steps (:func:`correlated_normal_log_prob`); 1 holds
+        one draw over the chunk and nothing else, and the log-probability is that of the executed steps' mean
+        offset from the chain (:func:`held_normal_log_prob`). ``action_std_env`` reads ``action_std`` in env
+        units, one std per action dimension through the action normaliser's scale (as ``algo=filtered_bc``'s
+        exploration is given), instead of normalised units.
         """
         if not action_std >= 0:
             raise ValueError(f"action_std={action_std} must be >= 0")
-        if not 0.0 <= action_corr < 1.0 or (action_corr > 0 and action_std == 0):
-            raise ValueError(f"action_corr={action_corr} must lie in [0, 1), and be 0 without action_std")
+        if not 0.0 <= action_corr <= 1.0 or (action_corr > 0 and action_std == 0):
+            raise ValueError(f"action_corr={action_corr} must lie in [0, 1], and be 0 without action_std")
+        if action_std_env and action_std == 0:
+            raise ValueError("action_std_env reads action_std in env units: it needs action_std > 0")
         s = self.schedule
         if action_std > 0:
             ft_steps = s.ddim_steps
@@ -133,6 +142,7 @@ class DiffusionPolicy(PolicyBase):
         self.ft_steps = 1 if action_std > 0 else ft_steps
         self.action_std = float(action_std)
         self.action_corr = float(action_corr)
+        self.action_std_env = bool(action_std_env)
         if ft_steps == s.ddim_steps:
             self._base = []
         elif freeze and not self._base:
@@ -153,6 +163,8 @@ class DiffusionPolicy(PolicyBase):
             out["action_std"] = self.action_std
         if self.action_corr > 0:
             out["action_corr"] = self.action_corr
+        if self.action_std_env:
+            out["action_std_env"] = 1
         return out
 
     def freeze_base(self) -> None:
@@ -243,7 +255,8 @@ class DiffusionPolicy(PolicyBase):
 
     @property
     def action_sigma(self) -> float:
-        """The std of the action-space exploration, normalised units: ``action_std`` x the noise scale."""
+        """The std of the action-space exploration: ``action_std`` x the noise scale (normalised units, or env
+        units with ``action_std_env``; :meth:`_action_std_tensor` gives it per normalised dimension)."""
         return self.action_std * float(self.schedule.noise_scale)
 
     def _sample_action_noise(self, obs, cond, return_chain, generator, noise) -> SampleOutput:
@@ -264,7 +277,7 @@ class DiffusionPolicy(PolicyBase):
                 if self.noise_clip > 0:
                     held = held.clamp(-self.noise_clip, self.noise_clip)
                 z = math.sqrt(self.action_corr) * held + math.sqrt(1.0 - self.action_corr) * z
-            std = self._action_std_tensor(cond.device)  # (1, 1, 1, 1)
+            std = self._action_std_tensor(cond.device)  # (1, 1, 1, 1 or Da)
             x = mean + std[0] * z
             log_probs = None
             if return_chain:
@@ -286,13 +299,21 @@ class DiffusionPolicy(PolicyBase):
         std = self._ratio_std(std)
         if self.action_corr > 0:
             executed, centre = x[..., self.exec_slice, :], mean[..., self.exec_slice, :]
-            lp = correlated_normal_log_prob(executed, centre, std, self.action_corr)  # (..., Da)
+            if self.action_corr == 1.0:
+                lp = held_normal_log_prob(executed, centre, std)  # (..., Da)
+            else:
+                lp = correlated_normal_log_prob(executed, centre, std, self.action_corr)  # (..., Da)
             return lp.mean(-1) / executed.shape[-2]
         return self.reduce_executed(self._clamp_log_prob(normal_log_prob(x, mean, std)))
 
     def _action_std_tensor(self, device: torch.device) -> torch.Tensor:
-        """:attr:`action_sigma` as the one transition's std, shaped like :meth:`transition_mean_std`'s: (1, 1, 1, 1)."""
-        return torch.full((1, 1, 1, 1), self.action_sigma, device=device)
+        """:attr:`action_sigma` as the one transition's std in normalised units, shaped like
+        :meth:`transition_mean_std`'s: (1, 1, 1, 1), or (1, 1, 1, Da) with ``action_std_env`` (env-unit std
+        times the normaliser's per-dimension scale, 2 / range, 1 on a constant dimension)."""
+        if not self.action_std_env:
+            return torch.full((1, 1, 1, 1), self.action_sigma, device=device)
+        scale = self.action_normalizer.scale.float().to(device)
+        return (self.action_sigma * scale).view(1, 1, 1, -1)
 
     def noise_free_chunk(self, x_k: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Every DDIM step's mean from x_K (B, Ta, Da) under cond (B, cond_dim) -> x_0 (B, Ta, Da), differentiable
