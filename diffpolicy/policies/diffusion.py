@@ -74,12 +74,14 @@ class DiffusionPolicy(PolicyBase):
         """Clamp of every sampled standard-normal draw z to [-noise_clip, noise_clip] before
         x = mean + std z, in std units (DPPO's ``randn_clip_value``: 3); 0 disables."""
         self.action_std = 0.0
-        self.action_corr = 0.0
-        self.action_std_env = False
         """> 0: the chain learner's policy is Gaussian around the noise-free chain, N(chain(x_K), sigma^2) over
         the chunk (normalised units, sigma = this x the schedule's ``noise_scale``): one "transition" from x_K
         to the executed chunk, whose log-probability is differentiated back through all K steps (see
         :meth:`set_sampling`). 0: the K' stochastic DDIM steps are the policy (DPPO)."""
+        self.action_corr = 0.0
+        """Correlation of that noise across the chunk's steps, in [0, 1] (see :meth:`set_sampling`)."""
+        self.action_std_env = False
+        """``action_std`` is in env units, one std per normalised dimension (see :meth:`set_sampling`)."""
         self._base: list[ConditionalUnet1D] = []
         """The frozen pre-trained denoiser of the first K - K' steps (empty until K' < K is asked for). A
         plain list, so the module does not register it: it is in neither ``parameters()`` (the optimiser,
@@ -164,7 +166,7 @@ class DiffusionPolicy(PolicyBase):
         if self.action_corr > 0:
             out["action_corr"] = self.action_corr
         if self.action_std_env:
-            out["action_std_env"] = 1
+            out["action_std_env"] = True
         return out
 
     def freeze_base(self) -> None:
