@@ -72,12 +72,19 @@ def test_sampled_chunk_and_log_prob_match_references() -> None:
 
 
 def _moved(
-    sign: float, lr: float = 1e-5, epochs: int = 3, corr: float = 0.0, env_units: bool = False
+    sign: float,
+    lr: float = 1e-5,
+    epochs: int = 3,
+    corr: float = 0.0,
+    env_units: bool = False,
+    grad_steps: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One PPO update of an action-noise toy rollout whose advantages are ``sign`` for every decision: the
     noise-free chunks' squared distance from the executed ones (before, after), per decision. ``corr``:
-    the noise's correlation across the chunk; ``env_units``: its std in env units."""
+    the noise's correlation across the chunk; ``env_units``: its std in env units; ``grad_steps``: the
+    gradient through the last this-many denoising steps only."""
     policy = noisy()
+    policy.grad_steps = grad_steps
     if corr or env_units:
         policy.set_sampling(
             **{**policy.sampling, "action_corr": corr, "action_std_env": env_units}, freeze=False
@@ -103,7 +110,7 @@ def _moved(
     before = gap()
     cfg = ChainConfig(
         update_epochs=epochs, minibatch_size=8, target_kl=0.0, norm_adv="none", action_std=SIGMA,
-        action_corr=corr, action_std_units="env" if env_units else "normalized",
+        action_corr=corr, action_std_units="env" if env_units else "normalized", grad_steps=grad_steps,
     )  # fmt: skip
     ppo_update(
         learner, buffer, torch.full((T, N), sign), torch.zeros(T, N), cfg, clip_eps=torch.full((1,), 0.2),
@@ -114,18 +121,73 @@ def _moved(
 
 
 @pytest.mark.parametrize(
-    ("corr", "env_units", "lr"), [(0.0, False, 1e-5), (0.8, False, 1e-5), (1.0, True, 1e-4)]
+    ("corr", "env_units", "lr", "grad_steps"),
+    [(0.0, False, 1e-5, 0), (0.8, False, 1e-5, 0), (1.0, True, 1e-4, 0), (1.0, True, 1e-4, 2)],
 )
 def test_ppo_moves_the_noise_free_chain_toward_chunks_with_positive_advantage(
-    corr: float, env_units: bool, lr: float
+    corr: float, env_units: bool, lr: float, grad_steps: int
 ) -> None:
     """Direction: a positive advantage pulls the deployed noise-free chunk toward what was executed (its
     log-probability rises), a negative one pushes it away; with independent, correlated and held noise (whose
-    per-element log-prob holds Da numbers per decision, not Te Da, so it moves less per step)."""
-    before, after = _moved(+1.0, lr=lr, corr=corr, env_units=env_units)
+    per-element log-prob holds Da numbers per decision, not Te Da, so it moves less per step), and with the
+    gradient through the last two denoising steps only."""
+    before, after = _moved(+1.0, lr=lr, corr=corr, env_units=env_units, grad_steps=grad_steps)
     assert after.mean() < before.mean() and (after < before).float().mean() >= 0.75
-    before, after = _moved(-1.0, lr=lr, corr=corr, env_units=env_units)
+    before, after = _moved(-1.0, lr=lr, corr=corr, env_units=env_units, grad_steps=grad_steps)
     assert after.mean() > before.mean() and (after > before).float().mean() >= 0.75
+
+
+def _chunk_grads(policy, x_k: torch.Tensor, cond: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of sum(weights * noise_free_chunk) w.r.t. the denoiser's parameters."""
+    policy.zero_grad(set_to_none=True)
+    (policy.noise_free_chunk(x_k, cond) * weights).sum().backward()
+    return [p.grad.clone() for p in policy.denoiser.parameters()]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_truncated_gradient_keeps_the_chunk_and_matches_a_detached_reference(n: int) -> None:
+    """``grad_steps`` = n: the chunk (and so every log-prob and ratio) is unchanged; its gradient equals
+    autograd's through a hand-written chain whose state is detached before the last n steps; n = K (or 0) is
+    the whole chain's gradient, and a truncated gradient differs from it."""
+    from diffpolicy.diffusion.schedule import ddim_step_mean_std
+
+    policy = noisy()
+    K, o = policy.schedule.ddim_steps, obs()
+    assert n < K
+    g = torch.Generator().manual_seed(5)
+    x_k = torch.randn(o["state"].shape[0], policy.horizon, policy.action_dim, generator=g)
+    weights = torch.randn(x_k.shape, generator=g)
+    with torch.no_grad():
+        cond = policy.encode(o, augment=False)
+        full_chunk = policy.noise_free_chunk(x_k, cond)
+    full = _chunk_grads(policy, x_k, cond, weights)
+    policy.grad_steps = K
+    torch.testing.assert_close(_chunk_grads(policy, x_k, cond, weights), full)
+    policy.grad_steps = n
+    with torch.no_grad():
+        torch.testing.assert_close(policy.noise_free_chunk(x_k, cond), full_chunk)
+    truncated = _chunk_grads(policy, x_k, cond, weights)
+
+    s, x = policy.schedule, x_k.float()  # the reference: the whole chain, the state detached at K - n
+    for i in range(K):
+        if i == K - n:
+            x = x.detach()
+        idx = torch.full((x.shape[0],), i, dtype=torch.long)
+        x, _ = ddim_step_mean_std(x, policy.denoiser(x, s.timesteps[idx], cond).float(), s.step_coefs(idx),
+                                  s.clip_sample)  # fmt: skip
+    policy.zero_grad(set_to_none=True)
+    (x * weights).sum().backward()
+    for got, ref in zip(truncated, [p.grad for p in policy.denoiser.parameters()], strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    assert max(float((a - b).abs().max()) for a, b in zip(truncated, full, strict=True)) > 1e-4
+
+
+def test_grad_steps_is_validated() -> None:
+    with pytest.raises(ValueError, match="grad_steps"):
+        ChainConfig(grad_steps=-1)
+    with pytest.raises(ValueError, match="action_std"):
+        ChainConfig(grad_steps=2)
+    assert ChainConfig(action_std=0.05, grad_steps=2).grad_steps == 2
 
 
 def test_a_tiny_run_explores_in_action_space_and_resumes(tmp_path: Path, init_ckpt: Path) -> None:

@@ -111,8 +111,11 @@ def test_ppo_update_benchmark_tiny(keep_threads) -> None:
     """The chain PPO update (``algo=ppo``, whatever the train default) and the residual update."""
     from diffpolicy.benchmarks.ppo_update import run
 
-    out = run(repeats=1, threads=1, num_envs=2, n_steps=2, minibatch_size=4)
+    out = run(repeats=1, threads=1, num_envs=2, n_steps=2, minibatch_size=4, grad_steps=(0, 1))
     assert out["algo"] == "ppo" and out["decisions_per_epoch"] == 4
+    held = out["action_space"]
+    assert set(held["seconds_per_epoch"]) == {"0", "1"} and held["share_of_whole_chain"]["0"] == 1.0
+    assert _finite_positive(*held["seconds_per_epoch"].values())
     assert _finite_positive(out["decisions_per_s"], out["seconds_per_epoch"])
     assert out["decisions_per_s"] == pytest.approx(4 / out["seconds_per_epoch"])
     assert out["ft_steps"] >= 1

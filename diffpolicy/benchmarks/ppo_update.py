@@ -5,7 +5,9 @@ the default env's observation (``modalities`` in the result) with the learner's 
 with T x N decisions whose observations and chains come from the policy itself on real environment
 observations, and times :func:`diffpolicy.rl.chain.update.ppo_update` with ``algo=ppo``'s settings (one epoch
 per timed run, KL early stop disabled). ``decisions_per_s`` = decisions in the epoch / median seconds per
-epoch. ``residual`` times the residual learner's update (:func:`residual_run`).
+epoch. ``action_space`` times the same epoch with held action-space noise, whose ratio is differentiated
+through the noise-free chain, whole and truncated (``algo.grad_steps``). ``residual`` times the residual
+learner's update (:func:`residual_run`).
 """
 
 from __future__ import annotations
@@ -38,22 +40,58 @@ def run(
     n_steps: int = 8,
     minibatch_size: int = 32,
     policy: str = "unet_small",
+    grad_steps: tuple[int, ...] = (0, 2, 1),
     **_: Any,
 ) -> dict[str, Any]:
-    """Median decisions/s of one PPO epoch over T x N decisions (``num_envs`` x ``n_steps``)."""
+    """Median decisions/s of one PPO epoch over T x N decisions (``num_envs`` x ``n_steps``), and under
+    ``action_space`` the epoch's seconds with held action-space noise (``algo.action_std=0.05`` in env units,
+    ``action_corr=1``), whose ratio differentiates the noise-free chain, for each ``algo.grad_steps`` in
+    ``grad_steps`` (0: through all K steps), with each one's time as a share of the whole chain's."""
+    out = _time_epochs(["algo=ppo"], {}, repeats, num_envs, n_steps, minibatch_size, policy)
+    held = {"action_std": 0.05, "action_std_units": "env", "action_corr": 1.0, "logprob_min_std": 0.0,
+            "logprob_clamp": []}  # fmt: skip
+    seconds = {
+        n: _time_epochs(
+            ["algo=ppo"], {**held, "grad_steps": n}, repeats, num_envs, n_steps, minibatch_size, policy
+        )["seconds_per_epoch"]
+        for n in grad_steps
+    }
+    whole = seconds.get(0)
+    out["action_space"] = {
+        "action_std_env": 0.05,
+        "seconds_per_epoch": {str(n): s for n, s in seconds.items()},
+        **({"share_of_whole_chain": {str(n): s / whole for n, s in seconds.items()}} if whole else {}),
+    }
+    out["residual"] = residual_run(repeats=repeats)
+    return out
+
+
+def _time_epochs(
+    overrides: list[str],
+    algo_fields: dict[str, Any],
+    repeats: int,
+    num_envs: int,
+    n_steps: int,
+    minibatch_size: int,
+    policy: str,
+) -> dict[str, Any]:
+    """Compose ``train`` with ``overrides``, set ``algo_fields`` on its algo, fill a real rollout and time
+    ``repeats`` epochs of :func:`ppo_update` after one warm-up epoch."""
     cfg = compose(
         "train",
-        ["algo=ppo", f"policy={policy}", f"env.num_envs={num_envs}", f"algo.n_steps={n_steps}", "device=cpu"],
+        [*overrides, f"policy={policy}", f"env.num_envs={num_envs}", f"algo.n_steps={n_steps}", "device=cpu"],
     )
-    # algo=ppo's settings, one epoch of ``minibatch_size`` minibatches without the KL early stop
+    # one epoch of ``minibatch_size`` minibatches without the KL early stop
     algo = dataclasses.replace(
-        cfg.algo, update_epochs=1, minibatch_size=minibatch_size, target_kl=0.0, iterations=1
+        cfg.algo, update_epochs=1, minibatch_size=minibatch_size, target_kl=0.0, iterations=1, **algo_fields
     )
     torch.manual_seed(0)
     rt = Runtime.from_config(cfg.device)
     spec, da = env_spec(cfg.env)
     pol = build_policy(cfg.policy, spec, da)
     pol.set_sampling(**algo.sampling())  # as train.py does
+    pol.logprob_min_std, pol.logprob_clamp = algo.logprob_min_std, list(algo.logprob_clamp)
+    pol.grad_steps = algo.grad_steps  # the chain learner's settings of the policy
     critic = Critic(cfg.policy.cond_dim)
     learner = ChainModules(
         policy=pol,
@@ -66,7 +104,7 @@ def run(
     venv = make_envs(cfg.env, pol.n_action_steps, num_envs, seed=0)
     try:
         pol.eval()
-        last_value, _ = collect_rollout(
+        collect_rollout(
             pol, critic, venv, buffer, n_steps=n_steps, seeds=list(range(num_envs)), gamma=algo.gamma,
             device=rt.device, generator=torch.Generator().manual_seed(0),
         )  # fmt: skip
@@ -100,7 +138,6 @@ def run(
         "ft_steps": pol.ft_steps,
         "precision": "fp32",
         "modalities": sorted(spec),
-        "residual": residual_run(repeats=repeats),
     }
 
 

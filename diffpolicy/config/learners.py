@@ -266,6 +266,11 @@ class ChainConfig(SamplingConfig, PPOConfig):
     """Units of ``action_std``: normalized (one std on every dimension of the normalised action) | env (env
     units on every dimension, one std per normalised dimension through the action normaliser's scale, as
     ``algo=filtered_bc``'s ``explore_std`` is given)."""
+    grad_steps: int = 0
+    """``action_std`` > 0: PPO's gradient flows through the last this-many of the K noise-free denoising steps;
+    the earlier ones run without gradient. The ratio, its clip and the KL stay exact (the chunk's mean is the
+    same); only the direction of the gradient leaves out how the earlier steps would move. A step then costs
+    about (K + 2 n) / 3K of the whole chain's forward and backward. 0: all K steps."""
     anchor_steps: int = 0
     """Imitation anchor (:mod:`diffpolicy.rl.imitation`): after each PPO update, this many BC steps on the
     demonstrations plus every window of the rollouts' successful episodes (drawn uniformly, as
@@ -333,6 +338,13 @@ class ChainConfig(SamplingConfig, PPOConfig):
         if self.action_std_units == "env" and self.action_std <= 0:
             raise ValueError(
                 "algo.action_std_units=env gives algo.action_std in env units: set algo.action_std > 0"
+            )
+        if self.grad_steps < 0:
+            raise ValueError(f"algo.grad_steps={self.grad_steps} must be >= 0 (0: every denoising step)")
+        if self.grad_steps > 0 and self.action_std <= 0:
+            raise ValueError(
+                "algo.grad_steps truncates the gradient through the noise-free chain of action-space "
+                "exploration: set algo.action_std > 0"
             )
         if self.action_corr > 0 and self.action_std <= 0:
             raise ValueError("algo.action_corr correlates action-space noise: set algo.action_std > 0")

@@ -82,6 +82,9 @@ class DiffusionPolicy(PolicyBase):
         """Correlation of that noise across the chunk's steps, in [0, 1] (see :meth:`set_sampling`)."""
         self.action_std_env = False
         """``action_std`` is in env units, one std per normalised dimension (see :meth:`set_sampling`)."""
+        self.grad_steps = 0
+        """Gradient of the action-space log-prob through the last this-many denoising steps only (0: all K);
+        set by the chain learner (``algo.grad_steps``), see :meth:`noise_free_chunk`."""
         self._base: list[ConditionalUnet1D] = []
         """The frozen pre-trained denoiser of the first K - K' steps (empty until K' < K is asked for). A
         plain list, so the module does not register it: it is in neither ``parameters()`` (the optimiser,
@@ -318,13 +321,17 @@ class DiffusionPolicy(PolicyBase):
         return (self.action_sigma * scale).view(1, 1, 1, -1)
 
     def noise_free_chunk(self, x_k: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """Every DDIM step's mean from x_K (B, Ta, Da) under cond (B, cond_dim) -> x_0 (B, Ta, Da), differentiable
-        through all K steps (the noise-free protocol's chunk, as :meth:`sample` with ``deterministic``)."""
+        """Every DDIM step's mean from x_K (B, Ta, Da) under cond (B, cond_dim) -> x_0 (B, Ta, Da) (the
+        noise-free protocol's chunk, as :meth:`sample` with ``deterministic``), differentiable through all K
+        steps, or through the last :attr:`grad_steps` only when that is in (0, K): the steps before them run
+        without gradient, so the chunk is the same and only its gradient is truncated."""
         s, x = self.schedule, x_k.float()
+        first_grad = s.ddim_steps - self.grad_steps if 0 < self.grad_steps < s.ddim_steps else 0
         for i in range(s.ddim_steps):
-            idx = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
-            eps = self.denoiser(x, s.timesteps[idx], cond)
-            x, _ = ddim_step_mean_std(x, eps.float(), s.step_coefs(idx), s.clip_sample)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad):
+                idx = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
+                eps = self.denoiser(x, s.timesteps[idx], cond)
+                x, _ = ddim_step_mean_std(x, eps.float(), s.step_coefs(idx), s.clip_sample)
         return x
 
     def transition_mean_std(

@@ -64,6 +64,12 @@ class ChainLearner(PolicyLearner):
             policy.logprob_min_std = algo.logprob_min_std
             policy.logprob_clamp = list(algo.logprob_clamp)
             policy.noise_clip = algo.noise_clip
+            policy.grad_steps = algo.grad_steps
+            if algo.grad_steps > policy.schedule.ddim_steps:
+                raise ValueError(
+                    f"algo.grad_steps={algo.grad_steps} is more than the chain's "
+                    f"{policy.schedule.ddim_steps} denoising steps (policy.ddim_steps)"
+                )
         self.grpo = algo.advantage == "grpo"
         reference = (  # the frozen pre-trained policy the regulariser pulls toward
             copy.deepcopy(policy).eval().requires_grad_(False)
