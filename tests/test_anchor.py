@@ -125,16 +125,18 @@ def test_the_anchor_moves_the_deployed_chunk_toward_the_successful_episode(sign:
 def test_a_tiny_run_with_the_anchor_and_held_noise_trains_and_resumes(
     tmp_path: Path, init_ckpt: Path
 ) -> None:
-    """Held noise in env units (filtered_bc's exploration) with the anchor: trains, the checkpoint records
-    how it sampled, and the run resumes."""
+    """``algo=ppo_anchor`` (held noise in env units, filtered_bc's exploration, with the anchor), scaled down,
+    with the truncated gradient: trains, the checkpoint records how it sampled, and the run resumes."""
     from diffpolicy.cli import compose
     from diffpolicy.policy_io import sampling_of
     from diffpolicy.train import main
 
-    args = [*TINY_RUN, *TINY_POLICY, f"policy.init={init_ckpt}", "eval_episodes=2", "algo.action_std=0.05",
-            "algo.action_corr=1.0", "algo.action_std_units=env", "algo.logprob_clamp=[]", "algo.anchor_steps=3",
-            "algo.anchor_batch=8"]  # fmt: skip
-    summary = main(compose("train", [*args, "algo.iterations=2"]), tmp_path)
+    run = [a if a != "algo=ppo" else "algo=ppo_anchor" for a in TINY_RUN]
+    args = [*run, *TINY_POLICY, f"policy.init={init_ckpt}", "eval_episodes=2", "algo.anchor_steps=3",
+            "algo.anchor_batch=8", "algo.critic_warmup=0", "algo.grad_steps=2"]  # fmt: skip
+    cfg = compose("train", [*args, "algo.iterations=2"])
+    assert (cfg.algo.action_std, cfg.algo.action_corr, cfg.algo.reward) == (0.05, 1.0, "success")
+    summary = main(cfg, tmp_path)
     assert summary["env_steps"] > 0
     ckpt = checkpoint.load(tmp_path / "checkpoints")
     assert sampling_of(ckpt)["action_corr"] == 1.0 and sampling_of(ckpt)["action_std_env"] is True
