@@ -267,10 +267,11 @@ class ChainConfig(SamplingConfig, PPOConfig):
     units on every dimension, one std per normalised dimension through the action normaliser's scale, as
     ``algo=filtered_bc``'s ``explore_std`` is given)."""
     grad_steps: int = 0
-    """``action_std`` > 0: PPO's gradient flows through the last this-many of the K noise-free denoising steps;
-    the earlier ones run without gradient. The ratio, its clip and the KL stay exact (the chunk's mean is the
-    same); only the direction of the gradient leaves out how the earlier steps would move. A step then costs
-    about (K + 2 n) / 3K of the whole chain's forward and backward. 0: all K steps."""
+    """``action_std`` > 0: the gradient of everything that differentiates the noise-free chunk (PPO's ratio,
+    self-imitation's chain log-prob, the regulariser's mean) flows through the last this-many of the K
+    denoising steps; the earlier ones run without gradient. The ratio, its clip and the KL stay exact (the
+    chunk is the same); only the gradient's direction leaves out how the earlier steps would move it. An epoch
+    then costs about (K + 2 n) / 3K of the whole chain's (measured 0.44x at n = 2, K = 10). 0: all K steps."""
     anchor_steps: int = 0
     """Imitation anchor (:mod:`diffpolicy.rl.imitation`): after each PPO update, this many BC steps on the
     demonstrations plus every window of the rollouts' successful episodes (drawn uniformly, as
