@@ -191,7 +191,18 @@ def test_bare_learner_config_becomes_the_chain_learner() -> None:
 
 @pytest.mark.parametrize(
     "entry",
-    ["ppo", "grpo", "dppo", "dppo_success", "dppo_gym", "dppo_gym_tuned", "fpo", "residual", "filtered_bc"],
+    [
+        "ppo",
+        "grpo",
+        "dppo",
+        "dppo_success",
+        "dppo_gym",
+        "dppo_gym_tuned",
+        "ppo_anchor",
+        "fpo",
+        "residual",
+        "filtered_bc",
+    ],
 )
 def test_one_name_chooses_the_learner(entry: str, compose) -> None:
     """``algo=<entry>`` is the one choice: ``algo.name`` records it and the schema says which learner runs;
@@ -280,3 +291,17 @@ def test_cache_keys_are_pinned(name: str, overrides: list[str], bc: str, demos: 
         bc,
         demos,
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "extra"),
+    [("mujoco_pick", []), ("metaworld", ["env.task=push"]), ("hopper", ["algo.reward=env"])],
+)
+def test_the_ppo_anchor_recipe_composes_on_every_development_env(env: str, extra: list[str], compose) -> None:
+    """``algo=ppo_anchor`` (the recipe to be judged over the development set) wins over the learner an env entry chooses and keeps
+    its own values there (the env's presets add their own fields: Meta-World's early stopping)."""
+    algo = compose("train", [f"env={env}", "algo=ppo_anchor", *extra]).algo
+    assert algo.name == "ppo_anchor" and algo.learner == "chain"
+    assert (algo.action_std, algo.action_corr, algo.action_std_units) == (0.05, 1.0, "env")
+    assert (algo.anchor_steps, algo.n_steps, algo.iterations, algo.lr) == (400, 144, 10, 1e-4)
+    assert algo.reward == ("env" if env == "hopper" else "success")
