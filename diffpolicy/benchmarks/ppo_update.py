@@ -26,7 +26,7 @@ from diffpolicy.env_factory import make_envs
 from diffpolicy.models.critic import Critic
 from diffpolicy.policy_io import build_policy, env_spec
 from diffpolicy.rl.buffer import RolloutBuffer
-from diffpolicy.rl.chain.learner import chain_specs
+from diffpolicy.rl.chain.learner import chain_specs, set_chain_options
 from diffpolicy.rl.chain.rollout import collect_rollout
 from diffpolicy.rl.chain.update import ChainModules, ppo_update
 from diffpolicy.rl.ppo import clip_schedule
@@ -44,21 +44,19 @@ def run(
     **_: Any,
 ) -> dict[str, Any]:
     """Median decisions/s of one PPO epoch over T x N decisions (``num_envs`` x ``n_steps``), and under
-    ``action_space`` the epoch's seconds with held action-space noise (``algo.action_std=0.05`` in env units,
-    ``action_corr=1``), whose ratio differentiates the noise-free chain, for each ``algo.grad_steps`` in
-    ``grad_steps`` (0: through all K steps), with each one's time as a share of the whole chain's."""
+    ``action_space`` the epoch's seconds with ``algo=ppo_anchor``'s held action-space noise, whose ratio
+    differentiates the noise-free chain, for each ``algo.grad_steps`` in ``grad_steps`` (0: through all K
+    steps), with each one's time as a share of the whole chain's (the same minibatch size for both)."""
     out = _time_epochs(["algo=ppo"], {}, repeats, num_envs, n_steps, minibatch_size, policy)
-    held = {"action_std": 0.05, "action_std_units": "env", "action_corr": 1.0, "logprob_min_std": 0.0,
-            "logprob_clamp": []}  # fmt: skip
     seconds = {
         n: _time_epochs(
-            ["algo=ppo"], {**held, "grad_steps": n}, repeats, num_envs, n_steps, minibatch_size, policy
+            ["algo=ppo_anchor"], {"grad_steps": n}, repeats, num_envs, n_steps, minibatch_size, policy
         )["seconds_per_epoch"]
         for n in grad_steps
     }
     whole = seconds.get(0)
     out["action_space"] = {
-        "action_std_env": 0.05,
+        "algo": "ppo_anchor",
         "seconds_per_epoch": {str(n): s for n, s in seconds.items()},
         **({"share_of_whole_chain": {str(n): s / whole for n, s in seconds.items()}} if whole else {}),
     }
@@ -90,8 +88,7 @@ def _time_epochs(
     spec, da = env_spec(cfg.env)
     pol = build_policy(cfg.policy, spec, da)
     pol.set_sampling(**algo.sampling())  # as train.py does
-    pol.logprob_min_std, pol.logprob_clamp = algo.logprob_min_std, list(algo.logprob_clamp)
-    pol.grad_steps = algo.grad_steps  # the chain learner's settings of the policy
+    set_chain_options(pol, algo)  # as the chain learner does
     critic = Critic(cfg.policy.cond_dim)
     learner = ChainModules(
         policy=pol,

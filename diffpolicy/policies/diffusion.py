@@ -76,8 +76,8 @@ class DiffusionPolicy(PolicyBase):
         self.action_std = 0.0
         """> 0: the chain learner's policy is Gaussian around the noise-free chain, N(chain(x_K), sigma^2) over
         the chunk (normalised units, sigma = this x the schedule's ``noise_scale``): one "transition" from x_K
-        to the executed chunk, whose log-probability is differentiated back through all K steps (see
-        :meth:`set_sampling`). 0: the K' stochastic DDIM steps are the policy (DPPO)."""
+        to the executed chunk, whose log-probability is differentiated back through all K steps, or the last
+        :attr:`grad_steps` (see :meth:`set_sampling`). 0: the K' stochastic DDIM steps are the policy (DPPO)."""
         self.action_corr = 0.0
         """Correlation of that noise across the chunk's steps, in [0, 1] (see :meth:`set_sampling`)."""
         self.action_std_env = False

@@ -51,6 +51,22 @@ def chain_specs(policy: Any, cond_dim: int) -> dict[str, Any]:
     return specs
 
 
+def set_chain_options(policy: Any, algo: ChainConfig) -> None:
+    """Set the chain's log-prob options (DPPO's floor, clamp and noise clip; the truncated gradient), which
+    only the chain learner reads, on a diffusion policy; a policy without them (Gaussian) is left as it is."""
+    if not hasattr(policy, "logprob_clamp"):
+        return
+    if algo.grad_steps > policy.schedule.ddim_steps:
+        raise ValueError(
+            f"algo.grad_steps={algo.grad_steps} is more than the chain's "
+            f"{policy.schedule.ddim_steps} denoising steps (policy.ddim_steps)"
+        )
+    policy.logprob_min_std = algo.logprob_min_std
+    policy.logprob_clamp = list(algo.logprob_clamp)
+    policy.noise_clip = algo.noise_clip
+    policy.grad_steps = algo.grad_steps
+
+
 @register(ChainConfig)
 class ChainLearner(PolicyLearner):
     """PPO on the denoising chain of ``policy`` (a diffusion or Gaussian policy)."""
@@ -58,18 +74,7 @@ class ChainLearner(PolicyLearner):
     def __init__(self, cfg: TrainConfig, rt: Runtime, info: DistInfo, policy: Any, logger: Any) -> None:
         algo = cfg.algo
         self.cfg, self.rt, self.info, self.policy, self.logger = cfg, rt, info, policy, logger
-        if hasattr(
-            policy, "logprob_clamp"
-        ):  # the chain's log-prob options (DPPO's), read by this learner only
-            policy.logprob_min_std = algo.logprob_min_std
-            policy.logprob_clamp = list(algo.logprob_clamp)
-            policy.noise_clip = algo.noise_clip
-            policy.grad_steps = algo.grad_steps
-            if algo.grad_steps > policy.schedule.ddim_steps:
-                raise ValueError(
-                    f"algo.grad_steps={algo.grad_steps} is more than the chain's "
-                    f"{policy.schedule.ddim_steps} denoising steps (policy.ddim_steps)"
-                )
+        set_chain_options(policy, algo)
         self.grpo = algo.advantage == "grpo"
         reference = (  # the frozen pre-trained policy the regulariser pulls toward
             copy.deepcopy(policy).eval().requires_grad_(False)
