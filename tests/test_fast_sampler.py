@@ -149,3 +149,18 @@ def test_compiled_backend_keeps_networks_of_one_architecture_apart():
     for net, expected in [(first, want[0]), (second, want[1]), (first, want[0]), (second, want[1])]:
         out = sample(net, sched, cond, noise, deterministic=True, backend="compiled")
         torch.testing.assert_close(out.x0, expected, **TOL)
+
+
+def test_fast_unet_folds_as_the_network_does():
+    """A 64-step chunk folded 4 steps to a position: the packed path equals the eager one."""
+    torch.manual_seed(0)
+    net = ConditionalUnet1D(DA, COND, [16, 32, 64], n_groups=4, step_embed_dim=16, fold=4).eval()
+    with torch.no_grad():
+        for b in net.res_blocks():
+            b.cond_proj.weight[:, 16:].normal_(0.0, 0.2)
+        x, cond = torch.randn(B, 64, DA), torch.randn(B, COND)
+        obs, step = net.film_tables(cond, torch.tensor([90, 0]))
+        fast = FastUnet1D(net, 64)
+        for i in range(2):
+            film = obs + step[i]
+            torch.testing.assert_close(fast(x, film), net.forward_film(x, film), atol=1e-5, rtol=1e-5)

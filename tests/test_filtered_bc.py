@@ -277,6 +277,23 @@ def test_bc_step_benchmark_reports_each_batch_against_the_reference() -> None:
         run(repeats=1, precision="fp16")
 
 
+def test_bc_step_benchmark_times_other_chunk_shapes_in_the_same_rounds() -> None:
+    """bench bc_step variants=[64/4]: a folded 64-step policy's step beside the main one, as a ratio to it;
+    a malformed or invalid shape is refused before anything is timed."""
+    from diffpolicy.benchmarks.bc_step import run
+
+    out = run(repeats=1, warmup=0, batches=[8], reference=8, variants=["64/4"])
+    assert out["fold"] == 1 and set(out["variants"]) == {"64/4"}
+    row = out["variants"]["64/4"]
+    assert row["s_per_step"] > 0 and row["ratio_to_main"] == pytest.approx(
+        row["s_per_step"] / out["batches"]["8"]["s_per_step"], rel=0.02
+    )
+    with pytest.raises(ValueError, match="write <horizon>/<fold>"):
+        run(repeats=1, variants=["64x4"])
+    with pytest.raises(ValueError, match="policy.fold"):
+        run(repeats=1, variants=["64/3"])
+
+
 def test_bc_step_benchmark_floor_keeps_only_the_convolutions() -> None:
     """bench bc_step floor=true: the floor network is the real one with every convolution block reduced to its
     convolution (its GroupNorm and Mish no longer touch the output), timed beside the real step, under bf16

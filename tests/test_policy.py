@@ -265,3 +265,16 @@ def test_ddim_protocol_is_deterministic_ddim_against_a_looped_reference():
             x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * ((x - a_t.sqrt() * x0) / (1 - a_t).sqrt())
     torch.testing.assert_close(got, x.float(), atol=1e-4, rtol=1e-4)
     assert (got - noise_free).abs().max() > 1e-3  # eta 1's means are not DDIM eta 0
+
+
+def test_folded_denoiser_samples_and_scores_the_whole_chunk():
+    """policy.fold=4: the chunk keeps its Ta steps, the chain log-probs stay exact (torch.distributions)."""
+    p = make(fold=4)
+    assert p.denoiser.fold == 4
+    o = obs()
+    out = p.sample(o, return_chain=True, generator=torch.Generator().manual_seed(0))
+    assert out.actions.shape == (B, TA, DA) and out.chain.shape == (B, 4, TA, DA)
+    want = (
+        torch.distributions.Normal(out.means, out.stds).log_prob(out.chain[:, 1:])[:, :, :TE].mean((-2, -1))
+    )
+    torch.testing.assert_close(p.log_prob(out.chain, o), want, atol=1e-4, rtol=1e-4)

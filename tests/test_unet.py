@@ -90,3 +90,34 @@ def test_grad_checkpointing_same_gradients():
         net(x, t, cond).square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_fold_is_the_unfolded_net_on_grouped_steps():
+    """fold=4 on a 64-step chunk is, weight for weight, a fold-1 U-Net over 16 positions of 4 x Da channels:
+    the chunk's steps 4i..4i+3 enter and leave position i, in step order (an independent reference for the
+    reshape on both ends)."""
+    torch.manual_seed(1)
+    ta, fold = 64, 4
+    folded = ConditionalUnet1D(DA, COND, [16, 32, 32], n_groups=4, step_embed_dim=16, fold=fold).eval()
+    inner = ConditionalUnet1D(fold * DA, COND, [16, 32, 32], n_groups=4, step_embed_dim=16).eval()
+    with torch.no_grad():
+        for b in folded.res_blocks():
+            b.cond_proj.weight[:, 16:].normal_(0.0, 0.2)
+    inner.load_state_dict(folded.state_dict())
+    x, cond, t = torch.randn(B, ta, DA), torch.randn(B, COND), torch.tensor([3, 50, 99])
+    with torch.no_grad():
+        out = folded(x, t, cond)
+        ref = inner(x.reshape(B, ta // fold, fold * DA), t, cond).reshape(B, ta, DA)
+    assert out.shape == (B, ta, DA)
+    torch.testing.assert_close(out, ref)
+    # The first level runs at a quarter of the chunk's resolution: 16 positions, not 64.
+    seen = []
+    hook = folded.down[0][0].register_forward_hook(lambda m, i, o: seen.append(o.shape[-1]))
+    with torch.no_grad():
+        folded(x, t, cond)
+    hook.remove()
+    assert seen == [ta // fold]
+    with pytest.raises(ValueError, match="cannot be folded"):
+        folded(torch.randn(B, 62, DA), t, cond)
+    with pytest.raises(ValueError, match="fold=0"):
+        ConditionalUnet1D(DA, COND, [16, 32], fold=0)

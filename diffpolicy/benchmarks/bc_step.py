@@ -68,23 +68,37 @@ def _policy(cfg: PolicyConfig, floor: bool = False) -> Any:
     return policy.train()
 
 
+def _variant(text: Any) -> tuple[int, int]:
+    """``"64/4"`` -> (horizon 64, fold 4); validated as a policy config would be."""
+    try:
+        h, f = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise ValueError(f"bc_step variant {text!r}: write <horizon>/<fold>, e.g. 64/4") from None
+    PolicyConfig(horizon=h, fold=f)
+    return h, f
+
+
 def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     """Seconds per BC step at each batch size (kwargs: ``batches`` ([32, 64, 128]), ``reference`` (128),
-    ``warmup`` (2), ``horizon`` (16), ``fused`` (False: AdamW's fused kernel, a lever BC does not take),
-    ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the floor, see the
+    ``warmup`` (2), ``horizon`` (16), ``fold`` (1: ``policy.fold``), ``variants`` ([]: other chunk shapes
+    ``"<horizon>/<fold>"``, e.g. ``["64/1", "64/4"]``, each timed at the reference batch in the same rounds
+    and reported as its ratio to the main policy's step), ``fused`` (False: AdamW's fused kernel, a lever BC
+    does not take), ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the floor, see the
     module docstring), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
     batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
     reference = int(kwargs.pop("reference", 128))
     warmup = int(kwargs.pop("warmup", 2))
     horizon = int(kwargs.pop("horizon", HORIZON))
+    fold = int(kwargs.pop("fold", 1))
+    variants = [_variant(v) for v in kwargs.pop("variants", [])]
     peer_path = kwargs.pop("peer", None)
     fused = bool(kwargs.pop("fused", False))
     precision = str(kwargs.pop("precision", "fp32"))
     floor = bool(kwargs.pop("floor", False))
     if kwargs:
         raise ValueError(
-            "bc_step takes batches, reference, warmup, horizon, fused, precision, floor and peer; "
-            f"got {sorted(kwargs)}"
+            "bc_step takes batches, reference, warmup, horizon, fold, variants, fused, precision, floor "
+            f"and peer; got {sorted(kwargs)}"
         )
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"bc_step precision={precision!r}: fp32 | bf16")
@@ -97,27 +111,25 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
-    cfg = PolicyConfig(horizon=horizon)
+    cfg = PolicyConfig(horizon=horizon, fold=fold)
     policy = _policy(cfg)
     g = torch.Generator().manual_seed(0)
     ema = copy.deepcopy(policy).eval()
     params = [p for p in policy.parameters() if p.requires_grad]
     optim = adamw(params, 3e-4, fused=fused)
-    data = {
-        b: (
-            {"state": torch.randn(b, 1, STATE_DIM, generator=g)},
-            torch.rand(b, horizon, ACTION_DIM, generator=g) * 2 - 1,
-        )
-        for b in batches
+    states = {b: torch.randn(b, 1, STATE_DIM, generator=g) for b in batches}
+    chunks = {
+        h: torch.rand(max(batches), h, ACTION_DIM, generator=g) * 2 - 1
+        for h in {horizon, *(h for h, _ in variants)}
     }
 
-    def timed(model: Any, optim: torch.optim.Optimizer, average: Any = None) -> Any:
-        """``step(b) -> seconds`` of one BC step of ``model``; with ``average`` (the EMA copy) the step also
-        clips the gradients and updates the EMA, as BC does (the floor does neither)."""
+    def timed(model: Any, optim: torch.optim.Optimizer, average: Any = None, chunk: int = horizon) -> Any:
+        """``step(b) -> seconds`` of one BC step of ``model`` on ``chunk``-step windows; with ``average`` (the
+        EMA copy) the step also clips the gradients and updates the EMA, as BC does (the floor does neither)."""
         params = [p for p in model.parameters() if p.requires_grad]
 
         def step(b: int) -> float:
-            obs, actions = data[b]
+            obs, actions = {"state": states[b]}, chunks[chunk][:b]
             start = time.perf_counter()
             with autocast():
                 loss = model.bc_loss(obs, actions, generator=g)
@@ -138,6 +150,13 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         bare = _policy(cfg, floor=True)
         floor_step = timed(bare, adamw([p for p in bare.parameters() if p.requires_grad], 3e-4, fused=True))
 
+    variant_steps = {}
+    for h, f in variants:
+        model = _policy(PolicyConfig(horizon=h, fold=f))
+        average = copy.deepcopy(model).eval()
+        opt = adamw([p for p in model.parameters() if p.requires_grad], 3e-4, fused=fused)
+        variant_steps[f"{h}/{f}"] = timed(model, opt, average, chunk=h)
+
     peer_step = None
     if not skipped:
         peer = peer_lib.load(peer_path)
@@ -146,16 +165,20 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         peer_update = peer_lib.train_step(peer, peer_unet, generator=g)
 
         def peer_step(b: int) -> float:
-            obs, actions = data[b]
             start = time.perf_counter()
             with autocast():
-                peer_update(obs["state"], actions)
+                peer_update(states[b], chunks[horizon][:b])
             return time.perf_counter() - start
 
     times: dict[int, list[float]] = {b: [] for b in batches}
     peer_times: dict[int, list[float]] = {b: [] for b in batches}
     floor_times: dict[int, list[float]] = {b: [] for b in batches}
+    variant_times: dict[str, list[float]] = {k: [] for k in variant_steps}
     for r in range(warmup + repeats):
+        for k, vstep in variant_steps.items():
+            t = vstep(reference)
+            if r >= warmup:
+                variant_times[k].append(t)
         for b in batches:
             t = step(b)
             t_peer = peer_step(b) if peer_step else None
@@ -175,7 +198,21 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         }
         for b in sorted(batches)
     }
-    out = {"policy": cfg.name, "horizon": horizon, "reference_batch": reference, "batches": rows}
+    out = {
+        "policy": cfg.name,
+        "horizon": horizon,
+        "fold": fold,
+        "reference_batch": reference,
+        "batches": rows,
+    }
+    if variant_steps:
+        out["variants"] = {
+            k: {
+                "s_per_step": round(statistics.median(v), 4),
+                "ratio_to_main": round(statistics.median(v) / ref, 3),
+            }
+            for k, v in variant_times.items()
+        }
     out["adamw_fused"] = bool(optim.defaults.get("fused"))
     out["precision"] = precision
     if floor_step is not None:

@@ -202,6 +202,10 @@ class PolicyConfig:
     """film (per-channel scale and shift) | adanorm (normalise, then condition-predicted affine)."""
     horizon: int = 64
     """Ta: actions per sampled chunk."""
+    fold: int = 1
+    """Action steps folded into one position of the U-Net (``denoiser=unet``): the chunk enters its first level
+    as Ta / fold positions of fold x Da channels and leaves the last 1x1 convolution the same way, so a
+    64-step chunk at fold 4 runs the convolutions of a 16-step one. 1: one position per action step."""
     n_obs_steps: int = 1
     """To: observation history steps."""
     n_action_steps: int | None = None
@@ -253,10 +257,18 @@ class PolicyConfig:
         if self.kernel_size <= 0 or self.kernel_size % 2 == 0:
             raise ValueError(f"policy.kernel_size={self.kernel_size} must be a positive odd number")
         _positive("policy.horizon", self.horizon)
-        if self.denoiser == "unet" and self.horizon % (2 ** (len(self.down_dims) - 1)):
+        _positive("policy.fold", self.fold)
+        if self.fold > 1 and self.denoiser != "unet":
             raise ValueError(
-                f"policy.horizon={self.horizon} must be divisible by 2^(len(policy.down_dims)-1)="
-                f"{2 ** (len(self.down_dims) - 1)}"
+                f"policy.fold={self.fold} folds the U-Net's positions; denoiser=mlp takes fold=1"
+            )
+        if self.horizon % self.fold:
+            raise ValueError(f"policy.horizon={self.horizon} must be divisible by policy.fold={self.fold}")
+        levels = 2 ** (len(self.down_dims) - 1)
+        if self.denoiser == "unet" and (self.horizon // self.fold) % levels:
+            raise ValueError(
+                f"policy.horizon / policy.fold = {self.horizon // self.fold} must be divisible by "
+                f"2^(len(policy.down_dims)-1)={levels}"
             )
         _positive("policy.n_obs_steps", self.n_obs_steps)
         if self.n_action_steps is None:

@@ -180,9 +180,10 @@ class FastUnet1D:
 
     def __init__(self, denoiser: ConditionalUnet1D, horizon: int = 64, impl: str = "auto") -> None:
         self.horizon, self.impl = horizon, impl
+        self.fold = denoiser.fold
         with torch.inference_mode(False), torch.no_grad():  # ordinary tensors: repack may run anywhere
             self.splits = denoiser.film_splits()
-            length = horizon
+            length = horizon // self.fold
             self.down: list[tuple[_Block, _Block, _Conv | None]] = []
             for (b0, b1), down in zip(denoiser.down, denoiser.downsample):
                 pair = _Block(b0, length, impl), _Block(b1, length, impl)
@@ -227,7 +228,8 @@ class FastUnet1D:
     def __call__(self, x: torch.Tensor, film: torch.Tensor) -> torch.Tensor:
         """x (B, Ta, Da), film (B, R) -> eps (B, Ta, Da) in fp32."""
         films = iter(film.split(self.splits, dim=-1))
-        h, skips = x, []  # h (B, L, C) token-major throughout
+        b, ta, da = x.shape
+        h, skips = x.reshape(b, ta // self.fold, self.fold * da), []  # h (B, L, C) token-major throughout
         for b0, b1, down in self.down:
             h = b1(b0(h, next(films)), next(films))
             skips.append(h)
@@ -239,7 +241,7 @@ class FastUnet1D:
             h = torch.cat([h, skips.pop()], dim=-1)  # (B, L, 2 C)
             h = up(b1(b0(h, next(films)), next(films)))
         h = F.mish(_group_norm(self.final_conv(h), self.final_norm))
-        return self.final_proj(h)  # (B, Ta, Da)
+        return self.final_proj(h).reshape(b, ta, da)  # (B, Ta / f, f Da) -> (B, Ta, Da)
 
     def compiled(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """This forward through ``torch.compile`` (Inductor, static shapes), built once and then reused.

@@ -81,7 +81,9 @@ class CondResBlock1d(nn.Module):
 
 
 class ConditionalUnet1D(nn.Module):
-    """eps_theta(x_t, t, cond): (B, Ta, Da), (B,) or scalar, (B, cond_dim) -> (B, Ta, Da)."""
+    """eps_theta(x_t, t, cond): (B, Ta, Da), (B,) or scalar, (B, cond_dim) -> (B, Ta, Da).
+
+    ``fold`` consecutive action steps share one position of the U-Net's first level (:attr:`fold`)."""
 
     fp32_head = True
     """The final 1x1 convolution runs in float32 with autocast disabled."""
@@ -95,11 +97,18 @@ class ConditionalUnet1D(nn.Module):
         n_groups: int = 8,
         step_embed_dim: int = 128,
         conditioning: str = "film",
+        fold: int = 1,
     ) -> None:
         super().__init__()
         if conditioning not in ("film", "adanorm"):
             raise ValueError(f"conditioning={conditioning!r} is not allowed; choose film or adanorm")
+        if fold < 1:
+            raise ValueError(f"fold={fold} must be >= 1")
         self.action_dim = action_dim
+        self.fold = fold
+        """Action steps folded into one U-Net position: the chunk (B, Ta, Da) enters as (B, f Da, Ta / f)
+        and the last 1x1 convolution emits f Da channels that unfold back, so every level runs at 1/f of the
+        chunk's time resolution (a Ta = 64 chunk at fold 4 costs about what a 16-step one does)."""
         self.step_embed_dim = step_embed_dim
         self.grad_checkpointing = False
         """Recompute residual blocks in backward (set by the policy; only active in training with grad)."""
@@ -108,7 +117,7 @@ class ConditionalUnet1D(nn.Module):
             SinusoidalPosEmb(dsed), nn.Linear(dsed, 4 * dsed), nn.Mish(), nn.Linear(4 * dsed, dsed)
         )
         total_cond = dsed + cond_dim
-        dims = [action_dim, *down_dims]
+        dims = [fold * action_dim, *down_dims]
         in_out = list(zip(dims[:-1], dims[1:]))
 
         def block(a: int, b: int) -> CondResBlock1d:
@@ -128,7 +137,7 @@ class ConditionalUnet1D(nn.Module):
             self.up.append(nn.ModuleList([block(2 * b, a), block(a, a)]))
             self.upsample.append(nn.ConvTranspose1d(a, a, 4, stride=2, padding=1))
         self.final_block = Conv1dBlock(down_dims[0], down_dims[0], kernel_size, n_groups)
-        self.final_proj = nn.Conv1d(down_dims[0], action_dim, 1)
+        self.final_proj = nn.Conv1d(down_dims[0], fold * action_dim, 1)
         self.zero_init_condition()
 
     def zero_init_condition(self) -> None:
@@ -196,7 +205,10 @@ class ConditionalUnet1D(nn.Module):
         return blk(h, film)
 
     def _trunk(self, x: torch.Tensor, films: list[torch.Tensor]) -> torch.Tensor:
-        h = x.transpose(1, 2)  # (B, Da, Ta)
+        b, ta, da = x.shape
+        if ta % self.fold:
+            raise ValueError(f"a chunk of {ta} steps cannot be folded {self.fold} steps to a position")
+        h = x.reshape(b, ta // self.fold, self.fold * da).transpose(1, 2)  # (B, f Da, Ta / f)
         it = iter(films)
         skips = []
         for (b0, b1), down in zip(self.down, self.downsample):
@@ -211,5 +223,5 @@ class ConditionalUnet1D(nn.Module):
             h = up(h)
         h = self.final_block(h)
         with torch.autocast(device_type=h.device.type, enabled=False):
-            out = self.final_proj(h.float())  # (B, Da, Ta) in fp32
-        return out.transpose(1, 2)
+            out = self.final_proj(h.float())  # (B, f Da, Ta / f) in fp32
+        return out.transpose(1, 2).reshape(b, ta, da)

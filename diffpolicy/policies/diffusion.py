@@ -58,6 +58,7 @@ class DiffusionPolicy(PolicyBase):
                 cfg.n_groups,
                 cfg.step_embed_dim,
                 cfg.conditioning,
+                cfg.fold,
             )
         self.denoiser.grad_checkpointing = cfg.grad_checkpointing
         fresh = SamplingConfig()  # every step stochastic until a learner or checkpoint says otherwise
