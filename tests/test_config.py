@@ -43,7 +43,7 @@ def test_train_composes_typed(compose) -> None:
 @pytest.mark.parametrize("env", ["hopper", "walker2d"])
 def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, env: str, compose) -> None:
     """env=hopper (and walker2d) chooses DPPO's Gym actor, its learner with the one measured departure
-    (dppo_gym_tuned) and BC's budget; mujoco_pick keeps train.yaml's."""
+    (dppo_gym_tuned) and BC's budget; mujoco_pick brings its own learner (ppo_anchor) and train.yaml's BC."""
     cfg = compose(name, [f"env={env}"])
     assert (cfg.policy.name, cfg.algo.name, cfg.bc.n_demos, cfg.bc.epochs, cfg.eval_episodes) == (
         "mlp", "dppo_gym_tuned", 100, 100, 50,
@@ -53,8 +53,38 @@ def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, en
     assert (cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == ("unet_small", "residual", 3)
     cfg = compose(name)
     assert (cfg.env.name, cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == (
-        "mujoco_pick", "unet_small", "filtered_bc", 40,
+        "mujoco_pick", "unet_small", "ppo_anchor", 40,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["train", "pretrain"])
+def test_env_mujoco_pick_brings_ppo_with_gae_judged_noise_free(name: str, compose) -> None:
+    """The main job: env=mujoco_pick (the default env) fine-tunes with algo=ppo_anchor (PPO + GAE on held
+    env-unit noise, the gradient through the last 2 denoising steps, the anchor inside the loop) and judges BC
+    and the fine-tuned policy noise-free in train and pretrain; a learner on the command line wins and keeps
+    the protocol, so algo=filtered_bc's baseline row is judged the same way."""
+    for cfg in (compose(name), compose(name, ["env=mujoco_pick"])):
+        algo = cfg.algo
+        assert (algo.name, algo.learner, algo.advantage, algo.critic_warmup) == (
+            "ppo_anchor",
+            "chain",
+            "gae",
+            2,
+        )
+        assert (algo.action_std, algo.action_std_units, algo.action_corr, algo.grad_steps) == (
+            0.05,
+            "env",
+            1.0,
+            2,
+        )
+        assert (algo.anchor_steps, algo.norm_adv, algo.reward, cfg.eval_protocol) == (
+            400, "batch", "success", "noise_free",
+        )  # fmt: skip
+    cfg = compose(name, ["algo=filtered_bc"])
+    assert (cfg.algo.name, cfg.eval_protocol) == ("filtered_bc", "noise_free")
+    assert (
+        compose(name, ["env=obstacle_reach"]).algo.name == "filtered_bc"
+    )  # train.yaml's, where no env names one
 
 
 def test_env_hopper_departs_from_dppo_gym_in_the_actor_lr_alone(compose) -> None:

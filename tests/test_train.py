@@ -311,8 +311,9 @@ def test_default_run_is_the_cpu_mission() -> None:
     """What ``python -m diffpolicy.train env=mujoco_pick`` composes to (the README's mission settings)."""
     cfg = compose("train", ["env=mujoco_pick"])
     assert cfg.env.obs_mode == "state" and cfg.env.expert == {"max_speed": None} and cfg.bc.n_demos == 40
-    assert cfg.algo.learner == "filtered_bc" and cfg.algo.explore == "chunk"
-    assert cfg.algo.iterations * cfg.algo.round_episodes * cfg.env.max_episode_steps <= 1_000_000  # env steps
+    assert cfg.algo.name == "ppo_anchor" and cfg.algo.learner == "chain" and cfg.eval_protocol == "noise_free"
+    steps = cfg.algo.iterations * cfg.algo.n_steps * cfg.env.num_envs * cfg.policy.n_action_steps
+    assert steps <= 200_000  # env steps: filtered_bc's budget (~182 k), at most
     assert cfg.policy.horizon == 16 and cfg.eval_episodes >= 200
     pre = compose("pretrain", ["env=mujoco_pick"])  # pretrain clones, and judges, the same BC
     assert pre.bc == cfg.bc and pre.env == cfg.env and pre.algo.learner == cfg.algo.learner
