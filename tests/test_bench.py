@@ -104,7 +104,12 @@ def test_sampler_benchmark_tiny(keep_threads) -> None:
     assert _finite_positive(out["small_t16_k2_ms"], out["eager_reference_ms"]["small_t16_k2"])
     assert _finite_positive(out["film_eager_ms"]["small_t16_k2"], out["speedup_vs_eager"]["small_t16_k2"])
     assert out["max_abs_diff_vs_eager"] < 1e-4  # every timed path samples the eager loop's chunk
-    assert out["small_dims"] == [64, 128, 256]
+    assert out["small_dims"] == [64, 128, 256] and out["fold"] == 1
+    folded = run(repeats=1, threads=1, backend="fast", ks=[2], sizes=["small"], horizon=64, warmup=0, fold=4)
+    assert (
+        folded["fold"] == 4 and folded["small_t64_convs"] == out["small_t16_convs"]
+    )  # a 16-step chunk's kernels
+    assert folded["max_abs_diff_vs_eager"] < 1e-4
 
 
 def test_ppo_update_benchmark_tiny(keep_threads) -> None:

@@ -32,7 +32,9 @@ def test_defaults_are_derived_from_what_they_depend_on(compose) -> None:
     cfg = compose("train", ["algo=filtered_bc"])
     p = cfg.policy
     assert (p.ddim_steps, cfg.algo.ft_steps, p.n_action_steps, p.n_groups) == (10, 10, 8, 8)  # as documented
-    assert compose("train", ["algo=filtered_bc", "policy.ddim_steps=4"]).algo.ft_steps == 4  # null: all K steps
+    assert (
+        compose("train", ["algo=filtered_bc", "policy.ddim_steps=4"]).algo.ft_steps == 4
+    )  # null: all K steps
     short = compose("train", ["algo=filtered_bc", "policy.train_timesteps=5"])
     assert (short.policy.ddim_steps, short.algo.ft_steps) == (5, 5)
     # the default learner (env=mujoco_pick's ppo_anchor, DPPO's family): K' = ft_fraction 0.5 of K

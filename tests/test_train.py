@@ -322,7 +322,10 @@ def test_default_run_is_the_cpu_mission() -> None:
 MULTIMODAL_LEARNER = {
     "residual": ["algo.n_steps=8", "algo.minibatch_size=8", "algo.update_epochs=1"],
     "ppo": ["algo.n_steps=8", "algo.minibatch_size=8", "algo.update_epochs=1"],
-    "filtered_bc": ["algo.round_episodes=4", "algo.bc_steps=2"],  # the baseline (train.yaml's where no env names one)
+    "filtered_bc": [
+        "algo.round_episodes=4",
+        "algo.bc_steps=2",
+    ],  # the baseline (train.yaml's where no env names one)
 }
 
 

@@ -50,8 +50,9 @@ def run(repeats: int = 10, threads: int = 2, **kwargs: Any) -> dict:
 
     kwargs: ``backend`` (``compiled``; or ``fast`` / ``eager`` / ``auto``), ``horizons`` ((64, 16); or one
     ``horizon``), ``action_dim`` (7), ``cond_dim`` (256), ``ks`` ((10, 20)), ``sizes`` (("small", "large")),
-    ``eager`` (True: also time the eager loops), ``warmup`` (2), ``peer`` (a diffusion_policy checkout; else
-    ``$DIFFPOLICY_PEER_DP``).
+    ``eager`` (True: also time the eager loops), ``warmup`` (2), ``fold`` (1: our U-Nets fold that many action
+    steps into one position, ``policy.fold``; the peer's never does), ``peer`` (a diffusion_policy checkout;
+    else ``$DIFFPOLICY_PEER_DP``).
     """
     backend = str(kwargs.get("backend", "compiled"))
     horizons = kwargs.get("horizons") or ((kwargs["horizon"],) if "horizon" in kwargs else (64, 16))
@@ -62,6 +63,7 @@ def run(repeats: int = 10, threads: int = 2, **kwargs: Any) -> dict:
     sizes = tuple(kwargs.get("sizes", ("small", "large")))
     eager = bool(kwargs.get("eager", True))
     warmup = int(kwargs.get("warmup", 2))
+    fold = int(kwargs.get("fold", 1))
     peer_path = kwargs.get("peer")
     skipped = peer_lib.missing(peer_path)
     peer = None if skipped else peer_lib.load(peer_path)
@@ -73,6 +75,7 @@ def run(repeats: int = 10, threads: int = 2, **kwargs: Any) -> dict:
         "repeats": repeats,
         "horizons": list(horizons),
         "action_dim": action_dim,
+        "fold": fold,
     }
     variants = {"fast": "fast", "film_eager": "eager"} if eager else {}
     variants.pop(backend if backend != "eager" else "film_eager", None)
@@ -85,7 +88,7 @@ def run(repeats: int = 10, threads: int = 2, **kwargs: Any) -> dict:
             dims = SIZES[size]
             result[f"{size}_dims"] = dims
             torch.manual_seed(0)
-            unet = ConditionalUnet1D(action_dim, cond_dim, dims).eval()
+            unet = ConditionalUnet1D(action_dim, cond_dim, dims, fold=fold).eval()
             peer_unet = peer_lib.unet(peer, action_dim, cond_dim, dims).eval() if peer else None
             cond = torch.randn(1, cond_dim)
             for horizon in horizons:
