@@ -273,7 +273,8 @@ def test_collect_format_lerobot(tmp_path, compose):
 
 def test_lerobot_data_trains_the_multimodal_policy_end_to_end(tmp_path, compose):
     """LeRobot's own dataset -> BC (the policy reads rgb, state and text: the dataset has no points) -> one
-    fine-tuning round -> test evaluation, in process."""
+    round of the pick task's learner (PPO + GAE, its anchor imitating the dataset's episodes) -> test
+    evaluation, in process."""
     from diffpolicy import checkpoint
     from diffpolicy.train import main
 
@@ -282,8 +283,8 @@ def test_lerobot_data_trains_the_multimodal_policy_end_to_end(tmp_path, compose)
         [
             "env=mujoco_pick", "env.obs_mode=multimodal", "env.image_size=32", "env.n_points=64",
             "env.num_envs=2", "env.vectorization=sync", f"bc.demos=lerobot:{FIXTURE}", "bc.epochs=1",
-            "bc.batch_size=16", "bc.target_aux_weight=1", "algo.iterations=1", "algo.round_episodes=2",
-            "algo.bc_steps=2", "policy.down_dims=[16,32]", "policy.cond_dim=32", "policy.step_embed_dim=16",
+            "bc.batch_size=16", "bc.target_aux_weight=1", "algo.iterations=1", "algo.n_steps=4",
+            "algo.critic_warmup=0", "algo.anchor_steps=2", "policy.down_dims=[16,32]", "policy.cond_dim=32", "policy.step_embed_dim=16",
             "policy.horizon=16", "policy.n_action_steps=8", "policy.ddim_steps=4",
             "policy.encoder.token_dim=32", "policy.encoder.rgb_channels=[8]", "policy.encoder.rgb_keypoints=4",
             "eval_episodes=2", "video_episodes=0", "log.progress=false", f"cache_dir={tmp_path / 'cache'}",
