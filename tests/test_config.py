@@ -122,12 +122,18 @@ def test_collect_composes_with_every_env_entry(env: str, compose) -> None:
     assert cfg.env.name == env and cfg.n_episodes == 3 and cfg.keep_failures is None
 
 
-def test_dppo_success_departs_from_dppo_in_the_reward_and_budget_alone(compose) -> None:
-    """algo=dppo_success is algo=dppo with the success reward and 44 iterations; no other field differs."""
+def test_dppo_success_departs_from_dppo_in_the_reward_budget_and_advantage_scale_alone(compose) -> None:
+    """algo=dppo_success is algo=dppo with the success reward, 44 iterations and advantages standardised over the
+    rollout (each chosen on validation); no other field differs."""
     mine = dataclasses.asdict(compose("train", ["env=metaworld", "env.task=push"]).algo)
     dppo = dataclasses.asdict(compose("train", ["env=metaworld", "env.task=push", "algo=dppo"]).algo)
     differ = {k: (dppo[k], mine[k]) for k in dppo if dppo[k] != mine[k]}
-    assert differ == {"name": ("dppo", "dppo_success"), "reward": ("env", "success"), "iterations": (151, 44)}
+    assert differ == {
+        "name": ("dppo", "dppo_success"),
+        "reward": ("env", "success"),
+        "iterations": (151, 44),
+        "norm_adv": ("minibatch", "batch"),
+    }
 
 
 def test_dppo_gym_takes_dppos_update_steps_per_iteration(compose) -> None:
