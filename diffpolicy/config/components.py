@@ -205,7 +205,8 @@ class PolicyConfig:
     fold: int = 1
     """Action steps folded into one position of the U-Net (``denoiser=unet``): the chunk enters its first level
     as Ta / fold positions of fold x Da channels and leaves the last 1x1 convolution the same way, so a
-    64-step chunk at fold 4 runs the convolutions of a 16-step one. 1: one position per action step."""
+    64-step chunk at fold 4 runs the convolutions of a 16-step one. 1: one position per action step. Measured:
+    as built, a fold-4 BC does not clone the pick task (docs/experiments.md, 2026-12-07)."""
     n_obs_steps: int = 1
     """To: observation history steps."""
     n_action_steps: int | None = None
