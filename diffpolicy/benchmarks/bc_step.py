@@ -83,8 +83,8 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     ``warmup`` (2), ``horizon`` (16), ``fold`` (1: ``policy.fold``), ``variants`` ([]: other chunk shapes
     ``"<horizon>/<fold>"``, e.g. ``["64/1", "64/4"]``, each timed at the reference batch in the same rounds
     and reported as its ratio to the main policy's step), ``fused`` (False: AdamW's fused kernel, a lever BC
-    does not take), ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the floor, see the
-    module docstring), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
+    does not take), ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the
+    floor, see the module docstring), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
     batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
     reference = int(kwargs.pop("reference", 128))
     warmup = int(kwargs.pop("warmup", 2))
