@@ -338,7 +338,7 @@ def test_cache_keys_are_pinned(name: str, overrides: list[str], bc: str, demos: 
     [("mujoco_pick", []), ("metaworld", ["env.task=push"]), ("hopper", ["algo.reward=env"])],
 )
 def test_the_ppo_anchor_recipe_composes_on_every_development_env(env: str, extra: list[str], compose) -> None:
-    """``algo=ppo_anchor`` (the recipe to be judged over the development set) wins over the learner an env entry chooses and keeps
+    """``algo=ppo_anchor`` (pick's learner, to be judged on the other development envs) wins over the learner an env entry chooses and keeps
     its own values there (the env's presets add their own fields: Meta-World's early stopping)."""
     algo = compose("train", [f"env={env}", "algo=ppo_anchor", *extra]).algo
     assert algo.name == "ppo_anchor" and algo.learner == "chain"
