@@ -172,6 +172,8 @@ def test_checkpoint_entry_points_compose_and_require_one(name: str, compose) -> 
         ("policy.fold=3", "policy.fold"),
         ("policy.fold=8", "policy.fold"),
         ("policy.denoiser=mlp policy.fold=2", "policy.fold"),
+        ("policy.prediction=v", "policy.prediction"),
+        ("policy.denoiser=mlp policy.prediction=sample", "policy.prediction"),
         ("device.precision=fp8", "device.precision"),
         ("env.obs_mode=lidar", "env.obs_mode"),
     ],

@@ -267,10 +267,12 @@ def test_ddim_protocol_is_deterministic_ddim_against_a_looped_reference():
     assert (got - noise_free).abs().max() > 1e-3  # eta 1's means are not DDIM eta 0
 
 
-def test_folded_denoiser_samples_and_scores_the_whole_chunk():
-    """policy.fold=4: the chunk keeps its Ta steps, the chain log-probs stay exact (torch.distributions)."""
-    p = make(fold=4)
-    assert p.denoiser.fold == 4
+@pytest.mark.parametrize("prediction", ["epsilon", "sample"])
+def test_folded_denoiser_samples_and_scores_the_whole_chunk(prediction):
+    """policy.fold=4: the chunk keeps its Ta steps, the chain log-probs stay exact (torch.distributions),
+    whether the trunk predicts the noise or the clean chunk."""
+    p = make(fold=4, prediction=prediction)
+    assert p.denoiser.fold == 4 and p.denoiser.prediction == prediction
     o = obs()
     out = p.sample(o, return_chain=True, generator=torch.Generator().manual_seed(0))
     assert out.actions.shape == (B, TA, DA) and out.chain.shape == (B, 4, TA, DA)

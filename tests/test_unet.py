@@ -121,3 +121,37 @@ def test_fold_is_the_unfolded_net_on_grouped_steps():
         folded(torch.randn(B, 62, DA), t, cond)
     with pytest.raises(ValueError, match="fold=0"):
         ConditionalUnet1D(DA, COND, [16, 32], fold=0)
+
+
+def test_sample_prediction_returns_the_noise_its_clean_chunk_implies():
+    """prediction=sample: the trunk's output is x0_hat, and the network returns the eps that makes the DDIM
+    x0 estimate (x_t - sqrt(1 - a_t) eps) / sqrt(a_t) equal it (the schedule's alphas, float64 reference);
+    forward and the film-table path agree, a missing schedule or unknown mode is refused."""
+    from diffpolicy.diffusion.schedule import NoiseSchedule
+
+    torch.manual_seed(2)
+    ac = NoiseSchedule(100, 10, 10).alphas_cumprod
+    net = ConditionalUnet1D(DA, COND, [16, 32], n_groups=4, step_embed_dim=16, fold=4, prediction="sample",
+                            alphas_cumprod=ac).eval()  # fmt: skip
+    for b in net.res_blocks():
+        b.cond_proj.weight.data[:, 16:].normal_(0.0, 0.2)
+    trunk_out = []
+    hook = net.final_proj.register_forward_hook(lambda m, i, o: trunk_out.append(o))
+    x, cond, t = torch.randn(B, 64, DA), torch.randn(B, COND), torch.tensor([0, 50, 99])
+    with torch.no_grad():
+        eps = net(x, t, cond)
+        obs, step = net.film_tables(cond, t)
+        via_film = torch.stack([net.forward_film(x[i : i + 1], obs[i : i + 1] + step[i]) for i in range(B)])
+    hook.remove()
+    x0_hat = trunk_out[0].transpose(1, 2).reshape(B, 64, DA).double()
+    a = ac.double()[t].view(B, 1, 1)
+    # fp32 eps divided by sqrt(a_t) (~3e-3 at t = 99): 1e-3 absolute is fp32's error there
+    torch.testing.assert_close(
+        ((x.double() - (1 - a).sqrt() * eps.double()) / a.sqrt()), x0_hat, atol=1e-3, rtol=0
+    )
+    torch.testing.assert_close(via_film.squeeze(1), eps, atol=1e-4, rtol=1e-5)
+    assert net.film_splits()[-1] == 2 and sum(net.film_splits()) == obs.shape[1]
+    with pytest.raises(ValueError, match="alphas_cumprod"):
+        ConditionalUnet1D(DA, COND, [16, 32], prediction="sample")
+    with pytest.raises(ValueError, match="prediction='v'"):
+        ConditionalUnet1D(DA, COND, [16, 32], prediction="v")

@@ -206,7 +206,12 @@ class PolicyConfig:
     """Action steps folded into one position of the U-Net (``denoiser=unet``): the chunk enters its first level
     as Ta / fold positions of fold x Da channels and leaves the last 1x1 convolution the same way, so a
     64-step chunk at fold 4 runs the convolutions of a 16-step one. 1: one position per action step. Measured:
-    as built, a fold-4 BC does not clone the pick task (docs/experiments.md, 2026-12-07)."""
+    a fold-4 U-Net that predicts the noise does not clone the pick task (docs/experiments.md, 2026-12-07);
+    fold with ``prediction=sample``."""
+    prediction: str = "epsilon"
+    """What the U-Net's trunk predicts (``denoiser=unet``): epsilon (the noise, Chi et al.'s default) | sample
+    (the clean chunk x0; the network still returns the noise it implies, so sampling, the DDPM loss and the
+    chain log-probs are unchanged)."""
     n_obs_steps: int = 1
     """To: observation history steps."""
     n_action_steps: int | None = None
@@ -259,6 +264,11 @@ class PolicyConfig:
             raise ValueError(f"policy.kernel_size={self.kernel_size} must be a positive odd number")
         _positive("policy.horizon", self.horizon)
         _positive("policy.fold", self.fold)
+        _choice("policy.prediction", self.prediction, ("epsilon", "sample"))
+        if self.prediction != "epsilon" and self.denoiser != "unet":
+            raise ValueError(
+                f"policy.prediction={self.prediction} is the U-Net's; denoiser=mlp predicts epsilon"
+            )
         if self.fold > 1 and self.denoiser != "unet":
             raise ValueError(
                 f"policy.fold={self.fold} folds the U-Net's positions; denoiser=mlp takes fold=1"

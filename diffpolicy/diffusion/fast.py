@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffpolicy.models.unet1d import ConditionalUnet1D, CondResBlock1d
+from diffpolicy.models.unet1d import ConditionalUnet1D, CondResBlock1d, sample_to_eps
 
 MKLDNN_MIN_MFLOP = 8.0
 """Layers with more MFLOP per call than this use oneDNN (measured crossover on AVX-512, 1-2 threads)."""
@@ -181,6 +181,7 @@ class FastUnet1D:
     def __init__(self, denoiser: ConditionalUnet1D, horizon: int = 64, impl: str = "auto") -> None:
         self.horizon, self.impl = horizon, impl
         self.fold = denoiser.fold
+        self.sample = denoiser.prediction == "sample"
         with torch.inference_mode(False), torch.no_grad():  # ordinary tensors: repack may run anywhere
             self.splits = denoiser.film_splits()
             length = horizon // self.fold
@@ -241,7 +242,8 @@ class FastUnet1D:
             h = torch.cat([h, skips.pop()], dim=-1)  # (B, L, 2 C)
             h = up(b1(b0(h, next(films)), next(films)))
         h = F.mish(_group_norm(self.final_conv(h), self.final_norm))
-        return self.final_proj(h).reshape(b, ta, da)  # (B, Ta / f, f Da) -> (B, Ta, Da)
+        out = self.final_proj(h).reshape(b, ta, da)  # (B, Ta / f, f Da) -> (B, Ta, Da)
+        return sample_to_eps(x, out, next(films)) if self.sample else out
 
     def compiled(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """This forward through ``torch.compile`` (Inductor, static shapes), built once and then reused.

@@ -14,6 +14,11 @@ K fixed DDIM timesteps; each denoising step then only adds two rows (:meth:`Cond
 The observation columns of every FiLM projection start at zero (:meth:`ConditionalUnet1D.zero_init_condition`).
 The last 1x1 convolution always runs in float32 outside autocast (``fp32_head``), so PPO log-probabilities
 are computed from an fp32 noise prediction.
+
+With ``prediction="sample"`` the trunk predicts the clean chunk x0 and the network returns the noise that
+chunk implies at step t, ``eps = (x_t - sqrt(a_t) x0_hat) / sqrt(1 - a_t)``: callers (the DDPM loss, the
+DDIM steps, the chain log-probs) see an epsilon-predictor either way, and a DDIM step's x0_hat is the trunk's
+output. The two per-step coefficients ride along in the step part of :meth:`ConditionalUnet1D.film_tables`.
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ class CondResBlock1d(nn.Module):
 class ConditionalUnet1D(nn.Module):
     """eps_theta(x_t, t, cond): (B, Ta, Da), (B,) or scalar, (B, cond_dim) -> (B, Ta, Da).
 
-    ``fold`` consecutive action steps share one position of the U-Net's first level (:attr:`fold`)."""
+    ``fold`` consecutive action steps share one position of the U-Net's first level (:attr:`fold`);
+    ``prediction`` says what the trunk predicts (:attr:`prediction`; ``sample`` needs the schedule's
+    ``alphas_cumprod`` (T,))."""
 
     fp32_head = True
     """The final 1x1 convolution runs in float32 with autocast disabled."""
@@ -98,17 +105,32 @@ class ConditionalUnet1D(nn.Module):
         step_embed_dim: int = 128,
         conditioning: str = "film",
         fold: int = 1,
+        prediction: str = "epsilon",
+        alphas_cumprod: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if conditioning not in ("film", "adanorm"):
             raise ValueError(f"conditioning={conditioning!r} is not allowed; choose film or adanorm")
         if fold < 1:
             raise ValueError(f"fold={fold} must be >= 1")
+        if prediction not in ("epsilon", "sample"):
+            raise ValueError(f"prediction={prediction!r} is not allowed; choose epsilon or sample")
+        if prediction == "sample" and alphas_cumprod is None:
+            raise ValueError("prediction='sample' needs the schedule's alphas_cumprod")
         self.action_dim = action_dim
         self.fold = fold
         """Action steps folded into one U-Net position: the chunk (B, Ta, Da) enters as (B, f Da, Ta / f)
         and the last 1x1 convolution emits f Da channels that unfold back, so every level runs at 1/f of the
         chunk's time resolution (a Ta = 64 chunk at fold 4 costs about what a 16-step one does)."""
+        self.prediction = prediction
+        """epsilon: the trunk predicts the noise; sample: it predicts x0 and the output is the implied noise.
+        A folded chunk carries f Da channels of nearly white noise per position, which the trunk would have
+        to pass through its 64-channel levels to predict; its clean chunk is smooth (docs/experiments.md)."""
+        if prediction == "sample":
+            a = alphas_cumprod.double()
+            inv = (1 - a).rsqrt()
+            # (T, 2): eps = x_t * [0] - x0_hat * [1]; derived from the schedule, so not saved
+            self.register_buffer("x0_coefs", torch.stack([inv, a.sqrt() * inv], -1).float(), persistent=False)
         self.step_embed_dim = step_embed_dim
         self.grad_checkpointing = False
         """Recompute residual blocks in backward (set by the policy; only active in training with grad)."""
@@ -162,8 +184,9 @@ class ConditionalUnet1D(nn.Module):
         return out
 
     def film_splits(self) -> list[int]:
-        """Widths 2 c_out of every block's [scale, shift], in :meth:`res_blocks` order."""
-        return [2 * b.c_out for b in self.res_blocks()]
+        """Widths 2 c_out of every block's [scale, shift], in :meth:`res_blocks` order; with
+        ``prediction="sample"`` a last width 2 holds the step's two x0 -> eps coefficients."""
+        return [2 * b.c_out for b in self.res_blocks()] + ([2] if self.prediction == "sample" else [])
 
     def step_embedding(self, t: torch.Tensor) -> torch.Tensor:
         """(M,) diffusion steps -> (M, step_embed_dim)."""
@@ -177,13 +200,16 @@ class ConditionalUnet1D(nn.Module):
             t = t.expand(x.shape[0])
         c = F.mish(torch.cat([self.step_embedding(t), cond.to(x.dtype)], dim=-1))  # (B, dsed + cond_dim)
         films = [b.cond_proj(c) for b in self.res_blocks()]
+        if self.prediction == "sample":
+            films.append(self.x0_coefs[t.long()])  # (B, 2)
         return self._trunk(x, films)
 
     def film_tables(self, cond: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Split FiLM projections of all blocks, computed once per chunk.
 
         cond (B, cond_dim), t (K,) -> obs part (B, R) including biases, step part (K, R), where R is the sum
-        of :meth:`film_splits`. The [scale, shift] of step k is ``obs + step[k]`` for every block at once.
+        of :meth:`film_splits`. The [scale, shift] of step k is ``obs + step[k]`` for every block at once
+        (and, for ``prediction="sample"``, step k's coefficients: the obs part holds zeros there).
         """
         d = self.step_embed_dim
         s = F.mish(self.step_embedding(t))  # (K, dsed)
@@ -193,6 +219,9 @@ class ConditionalUnet1D(nn.Module):
             w = b.cond_proj.weight  # (2 c_out, dsed + cond_dim)
             step.append(s @ w[:, :d].t())
             obs.append(torch.addmm(b.cond_proj.bias, c, w[:, d:].t()))
+        if self.prediction == "sample":
+            step.append(self.x0_coefs[t.long()])  # fp32 even under autocast
+            obs.append(c.new_zeros(c.shape[0], 2))
         return torch.cat(obs, dim=-1), torch.cat(step, dim=-1)
 
     def forward_film(self, x: torch.Tensor, film: torch.Tensor) -> torch.Tensor:
@@ -224,4 +253,12 @@ class ConditionalUnet1D(nn.Module):
         h = self.final_block(h)
         with torch.autocast(device_type=h.device.type, enabled=False):
             out = self.final_proj(h.float())  # (B, f Da, Ta / f) in fp32
-        return out.transpose(1, 2).reshape(b, ta, da)
+        out = out.transpose(1, 2).reshape(b, ta, da)
+        return out if self.prediction == "epsilon" else sample_to_eps(x, out, next(it))
+
+
+def sample_to_eps(x: torch.Tensor, x0_hat: torch.Tensor, coefs: torch.Tensor) -> torch.Tensor:
+    """The noise a predicted clean chunk implies: x_t, x0_hat (B, Ta, Da), coefs (B, 2) = [1 / sqrt(1 - a_t),
+    sqrt(a_t) / sqrt(1 - a_t)] -> eps (B, Ta, Da) in fp32."""
+    c = coefs.float()
+    return x.float() * c[:, :1, None] - x0_hat.float() * c[:, 1:, None]

@@ -45,6 +45,10 @@ class DiffusionPolicy(PolicyBase):
 
     def __init__(self, cfg: PolicyConfig, obs_spec: Obs, action_dim: int, *, text_backend: str = "minilm"):
         super().__init__(cfg, obs_spec, action_dim, text_backend=text_backend)
+        fresh = SamplingConfig()  # every step stochastic until a learner or checkpoint says otherwise
+        self.schedule = NoiseSchedule(
+            cfg.train_timesteps, cfg.ddim_steps, cfg.ddim_steps, fresh.eta, fresh.min_std, cfg.clip_sample
+        )
         if cfg.denoiser == "mlp":
             self.denoiser = MLPDenoiser(
                 action_dim, cfg.horizon, cfg.cond_dim, cfg.mlp_dims, cfg.step_embed_dim
@@ -59,12 +63,10 @@ class DiffusionPolicy(PolicyBase):
                 cfg.step_embed_dim,
                 cfg.conditioning,
                 cfg.fold,
+                cfg.prediction,
+                self.schedule.alphas_cumprod,
             )
         self.denoiser.grad_checkpointing = cfg.grad_checkpointing
-        fresh = SamplingConfig()  # every step stochastic until a learner or checkpoint says otherwise
-        self.schedule = NoiseSchedule(
-            cfg.train_timesteps, cfg.ddim_steps, cfg.ddim_steps, fresh.eta, fresh.min_std, cfg.clip_sample
-        )
         self.ft_steps = cfg.ddim_steps
         self.logprob_min_std = 0.0
         """Floor on the std of the chain log-probs (0: the exact sampling std); set by PPO, see log_prob."""
