@@ -102,6 +102,27 @@ def test_ddpm_loss_is_scalar_and_differentiable():
     assert net.final_proj.weight.grad is not None
 
 
+def test_ddpm_loss_scores_a_sample_predictor_on_the_clean_chunk():
+    """prediction=sample: the loss is the mean squared error of the trunk's x0_hat (read from its last
+    convolution) against x0, at every t including t = T - 1 (a ~ 2e-7), not the eps error."""
+    s = NoiseSchedule(100, 10, 10)
+    torch.manual_seed(3)
+    net = ConditionalUnet1D(DA, COND, [16, 32], n_groups=4, step_embed_dim=16, prediction="sample",
+                            alphas_cumprod=s.alphas_cumprod).train()  # fmt: skip
+    x0, cond = torch.rand(B, TA, DA) * 2 - 1, torch.randn(B, COND)
+    t, noise = torch.tensor([0, 99]), torch.randn(B, TA, DA)  # B = 2: the ends of the schedule
+    seen = []
+    hook = net.final_proj.register_forward_hook(lambda m, i, o: seen.append(o))
+    got = ddpm_loss(net, x0, cond, s, t=t, noise=noise, reduction="none")
+    hook.remove()
+    x0_hat = seen[0].transpose(1, 2).reshape(B, TA, DA)
+    torch.testing.assert_close(got, (x0_hat - x0).square(), atol=2e-3, rtol=1e-3)
+    eps_err = ddpm_loss(unet().train(), x0, cond, s, t=t, noise=noise, reduction="none")
+    assert eps_err.shape == got.shape
+    ddpm_loss(net, x0, cond, s).backward()
+    assert net.final_proj.weight.grad.abs().sum() > 0
+
+
 def test_dppo_protocol_draws_with_the_natural_stds() -> None:
     """``with_natural_std``: each step's own eta-scaled std floored at 1e-3, none at the last step, the min_std
     exploration floor gone; means and timesteps untouched; the sampler draws exactly those stds."""

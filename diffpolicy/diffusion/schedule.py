@@ -177,12 +177,18 @@ def ddpm_loss(
     noise: torch.Tensor | None = None,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """Epsilon-prediction DDPM loss: x0 (B, Ta, Da) normalised actions, cond (B, cond_dim) -> scalar.
+    """DDPM loss: x0 (B, Ta, Da) normalised actions, cond (B, cond_dim) -> scalar.
 
     Draws t ~ U{0..T-1} and eps ~ N(0, I) per sample (or takes the given ``t`` (B,) and ``noise``, e.g. to
     compare conditions on the same draw), noises ``x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps`` and returns the
     mean squared error of ``model(x_t, t, cond)`` against eps (in float32); ``reduction="none"`` returns the
     squared errors themselves (B, Ta, Da), for a caller that weighs the chunk's steps.
+
+    A model whose trunk predicts the clean chunk (``model.prediction == "sample"``; it still returns eps) is
+    scored on what it predicts, the squared error of x0_hat against x0 (Chi et al.'s ``sample`` target): the
+    eps error times ``sqrt((1 - a_t) / a_t)``, since ``eps_hat - eps = sqrt(a_t / (1 - a_t)) (x0 - x0_hat)``.
+    In eps units the low-noise steps would weigh up to a / (1 - a) ~ 1600x the others, and such a BC fits its
+    demonstrations' chunks 10x worse (docs/experiments.md, 2026-12-07 fourth session).
     """
     B = x0.shape[0]
     if t is None:
@@ -191,4 +197,8 @@ def ddpm_loss(
         noise = torch.randn(x0.shape, device=x0.device, dtype=x0.dtype, generator=generator)
     a = schedule.alphas_cumprod[t].view(B, 1, 1)
     x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
-    return F.mse_loss(model(x_t, t, cond).float(), noise.float(), reduction=reduction)
+    eps = model(x_t, t, cond).float()
+    if getattr(model, "prediction", "epsilon") == "sample":
+        err = (eps - noise.float()) * ((1 - a) / a).sqrt().float()  # (B, Ta, Da) = x0 - x0_hat
+        return F.mse_loss(err, torch.zeros_like(err), reduction=reduction)
+    return F.mse_loss(eps, noise.float(), reduction=reduction)
