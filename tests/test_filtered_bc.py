@@ -282,8 +282,9 @@ def test_bc_step_benchmark_times_other_chunk_shapes_in_the_same_rounds() -> None
     a malformed or invalid shape is refused before anything is timed."""
     from diffpolicy.benchmarks.bc_step import run
 
-    out = run(repeats=1, warmup=0, batches=[8], reference=8, variants=["64/4"])
-    assert out["fold"] == 1 and set(out["variants"]) == {"64/4"}
+    out = run(repeats=1, warmup=0, batches=[8], reference=8, variants=["64/4", "64/4/sample"])
+    assert out["fold"] == 1 and out["prediction"] == "epsilon"
+    assert set(out["variants"]) == {"64/4", "64/4/sample"}
     row = out["variants"]["64/4"]
     assert row["s_per_step"] > 0 and row["ratio_to_main"] == pytest.approx(
         row["s_per_step"] / out["batches"]["8"]["s_per_step"], rel=0.02
@@ -292,6 +293,8 @@ def test_bc_step_benchmark_times_other_chunk_shapes_in_the_same_rounds() -> None
         run(repeats=1, variants=["64x4"])
     with pytest.raises(ValueError, match="policy.fold"):
         run(repeats=1, variants=["64/3"])
+    with pytest.raises(ValueError, match="policy.prediction"):
+        run(repeats=1, variants=["64/4/v"])
 
 
 def test_bc_step_benchmark_floor_keeps_only_the_convolutions() -> None:

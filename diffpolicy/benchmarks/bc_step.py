@@ -68,21 +68,27 @@ def _policy(cfg: PolicyConfig, floor: bool = False) -> Any:
     return policy.train()
 
 
-def _variant(text: Any) -> tuple[int, int]:
-    """``"64/4"`` -> (horizon 64, fold 4); validated as a policy config would be."""
+def _variant(text: Any) -> PolicyConfig:
+    """``"64/4"`` -> horizon 64, fold 4; ``"64/4/sample"`` also predicts the clean chunk
+    (``policy.prediction``); validated as a policy config would be."""
+    parts = str(text).split("/")
     try:
-        h, f = (int(x) for x in str(text).split("/"))
-    except ValueError:
-        raise ValueError(f"bc_step variant {text!r}: write <horizon>/<fold>, e.g. 64/4") from None
-    PolicyConfig(horizon=h, fold=f)
-    return h, f
+        h, f = int(parts[0]), int(parts[1])
+        if len(parts) > 3:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ValueError(
+            f"bc_step variant {text!r}: write <horizon>/<fold>[/<prediction>], e.g. 64/4 or 64/4/sample"
+        ) from None
+    return PolicyConfig(horizon=h, fold=f, prediction=parts[2] if len(parts) == 3 else "epsilon")
 
 
 def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     """Seconds per BC step at each batch size (kwargs: ``batches`` ([32, 64, 128]), ``reference`` (128),
-    ``warmup`` (2), ``horizon`` (16), ``fold`` (1: ``policy.fold``), ``variants`` ([]: other chunk shapes
-    ``"<horizon>/<fold>"``, e.g. ``["64/1", "64/4"]``, each timed at the reference batch in the same rounds
-    and reported as its ratio to the main policy's step), ``fused`` (False: AdamW's fused kernel, a lever BC
+    ``warmup`` (2), ``horizon`` (16), ``fold`` (1: ``policy.fold``), ``prediction`` (epsilon:
+    ``policy.prediction``), ``variants`` ([]: other chunk shapes ``"<horizon>/<fold>[/<prediction>]"``, e.g.
+    ``["64/1", "64/4/sample"]``, each timed at the reference batch in the same rounds and reported as its
+    ratio to the main policy's step), ``fused`` (False: AdamW's fused kernel, a lever BC
     does not take), ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the
     floor, see the module docstring), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
     batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
@@ -90,14 +96,15 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     warmup = int(kwargs.pop("warmup", 2))
     horizon = int(kwargs.pop("horizon", HORIZON))
     fold = int(kwargs.pop("fold", 1))
-    variants = [_variant(v) for v in kwargs.pop("variants", [])]
+    prediction = str(kwargs.pop("prediction", "epsilon"))
+    variants = {str(v): _variant(v) for v in kwargs.pop("variants", [])}
     peer_path = kwargs.pop("peer", None)
     fused = bool(kwargs.pop("fused", False))
     precision = str(kwargs.pop("precision", "fp32"))
     floor = bool(kwargs.pop("floor", False))
     if kwargs:
         raise ValueError(
-            "bc_step takes batches, reference, warmup, horizon, fold, variants, fused, precision, floor "
+            "bc_step takes batches, reference, warmup, horizon, fold, prediction, variants, fused, precision, floor "
             f"and peer; got {sorted(kwargs)}"
         )
     if precision not in ("fp32", "bf16"):
@@ -111,7 +118,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
-    cfg = PolicyConfig(horizon=horizon, fold=fold)
+    cfg = PolicyConfig(horizon=horizon, fold=fold, prediction=prediction)
     policy = _policy(cfg)
     g = torch.Generator().manual_seed(0)
     ema = copy.deepcopy(policy).eval()
@@ -120,7 +127,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     states = {b: torch.randn(b, 1, STATE_DIM, generator=g) for b in batches}
     chunks = {
         h: torch.rand(max(batches), h, ACTION_DIM, generator=g) * 2 - 1
-        for h in {horizon, *(h for h, _ in variants)}
+        for h in {horizon, *(v.horizon for v in variants.values())}
     }
 
     def timed(model: Any, optim: torch.optim.Optimizer, average: Any = None, chunk: int = horizon) -> Any:
@@ -151,11 +158,11 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         floor_step = timed(bare, adamw([p for p in bare.parameters() if p.requires_grad], 3e-4, fused=True))
 
     variant_steps = {}
-    for h, f in variants:
-        model = _policy(PolicyConfig(horizon=h, fold=f))
+    for name, vcfg in variants.items():
+        model = _policy(vcfg)
         average = copy.deepcopy(model).eval()
         opt = adamw([p for p in model.parameters() if p.requires_grad], 3e-4, fused=fused)
-        variant_steps[f"{h}/{f}"] = timed(model, opt, average, chunk=h)
+        variant_steps[name] = timed(model, opt, average, chunk=vcfg.horizon)
 
     peer_step = None
     if not skipped:
@@ -202,6 +209,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
         "policy": cfg.name,
         "horizon": horizon,
         "fold": fold,
+        "prediction": prediction,
         "reference_batch": reference,
         "batches": rows,
     }
