@@ -1,6 +1,7 @@
 """Noise schedule (squaredcos_cap_v2), DDPM training loss and the precomputed DDIM step coefficients.
 
-Epsilon prediction throughout. Actions live in normalised units ([-1, 1]). One DDIM step from x_k (at
+Every denoiser returns eps (a U-Net whose trunk predicts the clean chunk converts it, ``prediction=sample``;
+the DDPM loss then scores that x0). Actions live in normalised units ([-1, 1]). One DDIM step from x_k (at
 training timestep t_k) to x_{k-1} (at t_{k-1}, alpha_bar = 1 after the last step) is the Gaussian
 
     x0_hat = clip((x_k - sqrt(1 - a_t) eps) / sqrt(a_t), +-clip_sample)
