@@ -53,7 +53,7 @@ def test_env_hopper_is_the_whole_setting_and_the_command_line_wins(name: str, en
     assert (cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == ("unet_small", "residual", 3)
     cfg = compose(name)
     assert (cfg.env.name, cfg.policy.name, cfg.algo.name, cfg.bc.n_demos) == (
-        "mujoco_pick", "unet_small", "ppo_anchor", 40,
+        "mujoco_pick", "unet_small64", "ppo_anchor", 40,
     )  # fmt: skip
 
 
@@ -101,7 +101,7 @@ def test_env_metaworld_brings_its_learner_and_protocol_and_the_command_line_wins
     """env=metaworld fine-tunes with algo=dppo_success (DPPO's settings, the success reward, 44 iterations) and
     judges BC and the fine-tuned policy noise-free in train and pretrain alike; train reports DPPO's protocol
     beside it on 100 test episodes and chooses on 50 validation ones, where its guard also picks the checkpoint it
-    deploys (keep_best). A learner named on the command line wins."""
+    deploys (keep_best). Its policy is unet_small. A learner or policy named on the command line wins."""
     cfg = compose(name, ["env=metaworld", "env.task=push"])
     assert (cfg.algo.name, cfg.algo.reward, cfg.algo.iterations, cfg.eval_protocol) == (
         "dppo_success", "success", 44, "noise_free",
@@ -110,8 +110,16 @@ def test_env_metaworld_brings_its_learner_and_protocol_and_the_command_line_wins
         assert (cfg.report_protocols, cfg.eval_episodes, cfg.val_episodes) == (["dppo"], 100, 50)
         # early stopping on the 50 validation episodes, judged every 4 iterations
         assert (cfg.algo.rollback_episodes, cfg.algo.keep_best, cfg.checkpoint_every) == (50, True, 4)
+    # the 16 x 7 noise-predicting U-Net its table was measured with, not the default's 64 x 7 (cached BCs stay)
+    assert (cfg.policy.name, cfg.policy.horizon, cfg.policy.fold, cfg.policy.prediction) == (
+        "unet_small",
+        16,
+        1,
+        "epsilon",
+    )
     cfg = compose(name, ["env=metaworld", "env.task=push", "algo=filtered_bc", "eval_protocol=exploration"])
     assert (cfg.algo.name, cfg.eval_protocol) == ("filtered_bc", "exploration")
+    assert compose(name, ["env=metaworld", "env.task=push", "policy=unet_large"]).policy.name == "unet_large"
 
 
 @pytest.mark.parametrize("env", sorted(p.stem for p in (CONF_DIR / "env").glob("*.yaml")))
@@ -170,10 +178,10 @@ def test_checkpoint_entry_points_compose_and_require_one(name: str, compose) -> 
         ("policy.kernel_size=4", "policy.kernel_size"),
         ("policy.fold=0", "policy.fold"),
         ("policy.fold=3", "policy.fold"),
-        ("policy.fold=8", "policy.fold"),
-        ("policy.denoiser=mlp policy.fold=2", "policy.fold"),
+        ("policy.fold=32", "policy.fold"),  # 64 / 32 = 2 positions: not divisible by the U-Net's 4
+        ("policy=unet_small policy.denoiser=mlp policy.fold=2", "policy.fold"),
         ("policy.prediction=v", "policy.prediction"),
-        ("policy.denoiser=mlp policy.prediction=sample", "policy.prediction"),
+        ("policy=unet_small policy.denoiser=mlp policy.prediction=sample", "policy.prediction"),
         ("device.precision=fp8", "device.precision"),
         ("env.obs_mode=lidar", "env.obs_mode"),
     ],
@@ -311,7 +319,8 @@ def test_validation_and_test_seeds_are_disjoint_ranges() -> None:
 @pytest.mark.parametrize(
     ("name", "overrides", "bc", "demos"),
     [
-        ("train", [], "mujoco_pick-unet_small-87a7f07a1c9a", "mujoco_pick-3950fa1e0ea9"),
+        # 61: the default policy became unet_small64 (64 x 7, fold 4, x0-predicting): a new BC, on purpose
+        ("train", [], "mujoco_pick-unet_small64-64ac6fd999ec", "mujoco_pick-3950fa1e0ea9"),
         ("train", ["env=hopper"], "hopper-mlp-926eaa4d1a85", "hopper-1b540eca6e9d"),  # 35: D4RL-like actor
         # 33: Meta-World's cloud is cropped to the hand's reach (env.kwargs.point_box: reach; the env's kwargs
         # enter both keys, the state policy's too)

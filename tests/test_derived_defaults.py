@@ -43,8 +43,12 @@ def test_defaults_are_derived_from_what_they_depend_on(compose) -> None:
     assert compose("train", ["policy.horizon=4"]).policy.n_action_steps == 4
     assert compose("train", ["policy.down_dims=[4,12]", "policy.horizon=4"]).policy.n_groups == 4
     assert compose("train", ["policy.down_dims=[6,12]", "policy.horizon=4"]).policy.n_groups == 6
-    # the executed steps carry half of the BC loss: plain mean for 16-step chunks, 8 / 56 for 64-step ones
-    assert p.horizon == 16 and p.unexecuted_weight == 1.0
+    # the executed steps carry half of the BC loss: 8 / 56 for the default's 64-step chunks, plain mean for 16
+    assert (p.horizon, p.fold, p.prediction, p.unexecuted_weight) == (64, 4, "sample", 0.143)
+    assert compose("train", ["policy=unet_small"]).policy.unexecuted_weight == 1.0
+    # the fold follows the horizon: every chunk length runs a 16-step chunk's convolutions
+    assert [compose("train", [f"policy.horizon={h}"]).policy.fold for h in (4, 16, 32, 128)] == [1, 1, 2, 8]
+    assert compose("train", ["policy.horizon=64", "policy.fold=2"]).policy.fold == 2  # a set value stays
     assert compose("train", ["policy.horizon=64"]).policy.unexecuted_weight == 0.143
     assert compose("train", ["policy=unet_large"]).policy.unexecuted_weight == 0.143
     assert (

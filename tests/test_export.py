@@ -108,6 +108,18 @@ def test_deterministic_export_has_no_step_noise_and_dynamic_batch(tmp_path):
     assert out.shape == (3, 8, 3) and np.abs(out - ref).max() <= ATOL
 
 
+def test_folded_sample_predicting_policy_exports_with_parity(tmp_path):
+    """The default's denoiser shape (chunk folded 2 steps to a position here, the trunk predicting x0, whose
+    conversion coefficients ride in the FiLM tables): onnxruntime matches PyTorch, sampled and noise-free."""
+    shapes = {"state": [5], "instruction": None}
+    policy = _policy(_tiny_cfg(horizon=16, fold=2, prediction="sample"), shapes)
+    assert policy.denoiser.fold == 2 and policy.denoiser.prediction == "sample"
+    for deterministic in (False, True):
+        path = tmp_path / f"fold{int(deterministic)}.onnx"
+        graph, spec = export_onnx(policy, shapes, path, batch_size=2, deterministic=deterministic)
+        assert check_parity(graph, path, spec, seed=6, deterministic=deterministic)["max_abs_err"] <= ATOL
+
+
 def test_frozen_base_denoiser_runs_the_first_steps(tmp_path):
     """K' < K with a frozen pre-trained base (as fine-tuning leaves it): the graph runs the base on the first
     K - K' steps, as ``policy.sample`` does, so onnxruntime still matches PyTorch once the fine-tuned

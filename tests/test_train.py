@@ -314,7 +314,14 @@ def test_default_run_is_the_cpu_mission() -> None:
     assert cfg.algo.name == "ppo_anchor" and cfg.algo.learner == "chain" and cfg.eval_protocol == "noise_free"
     steps = cfg.algo.iterations * cfg.algo.n_steps * cfg.env.num_envs * cfg.policy.n_action_steps
     assert steps <= 200_000  # env steps: filtered_bc's budget (~182 k), at most
-    assert cfg.policy.horizon == 16 and cfg.eval_episodes >= 200
+    # the card's 64 x 7 chunks, 4 steps to a U-Net position, the trunk predicting the clean chunk
+    assert (cfg.policy.name, cfg.policy.horizon, cfg.policy.fold, cfg.policy.prediction) == (
+        "unet_small64",
+        64,
+        4,
+        "sample",
+    )
+    assert cfg.eval_episodes >= 200
     pre = compose("pretrain", ["env=mujoco_pick"])  # pretrain clones, and judges, the same BC
     assert pre.bc == cfg.bc and pre.env == cfg.env and pre.algo.learner == cfg.algo.learner
 

@@ -177,7 +177,7 @@ class PolicyConfig:
     """The diffusion policy: encoders, 1-D U-Net denoiser and DDPM/DDIM schedule."""
 
     name: str = "unet_small"
-    """Config-group entry: unet_small | unet_large | gaussian (the MLP baseline)."""
+    """Config-group entry: unet_small64 (the default) | unet_small | unet_large | mlp | gaussian (the MLP baseline)."""
     kind: str = "diffusion"
     """diffusion | gaussian (a Gaussian MLP baseline with the same encoders)."""
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
@@ -202,12 +202,14 @@ class PolicyConfig:
     """film (per-channel scale and shift) | adanorm (normalise, then condition-predicted affine)."""
     horizon: int = 64
     """Ta: actions per sampled chunk."""
-    fold: int = 1
+    fold: int | None = 1
     """Action steps folded into one position of the U-Net (``denoiser=unet``): the chunk enters its first level
     as Ta / fold positions of fold x Da channels and leaves the last 1x1 convolution the same way, so a
-    64-step chunk at fold 4 runs the convolutions of a 16-step one. 1: one position per action step. Measured:
-    a fold-4 U-Net that predicts the noise does not clone the pick task (docs/experiments.md, 2026-12-07);
-    fold with ``prediction=sample``."""
+    64-step chunk at fold 4 runs the convolutions of a 16-step one. 1: one position per action step. Null
+    (``policy=unet_small64``): derived from the horizon, Ta / 16 where 16 divides Ta, else 1, so every chunk
+    length runs a 16-step chunk's convolutions (``policy.horizon=16`` on the default is an unfolded 16-step
+    U-Net). Measured: a fold-4 U-Net that predicts the noise does not clone the pick task
+    (docs/experiments.md, 2026-12-07); fold with ``prediction=sample``."""
     prediction: str = "epsilon"
     """What the U-Net's trunk predicts (``denoiser=unet``): epsilon (the noise, Chi et al.'s default) | sample
     (the clean chunk x0; the network still returns the noise it implies, so sampling, the DDPM loss and the
@@ -263,6 +265,9 @@ class PolicyConfig:
         if self.kernel_size <= 0 or self.kernel_size % 2 == 0:
             raise ValueError(f"policy.kernel_size={self.kernel_size} must be a positive odd number")
         _positive("policy.horizon", self.horizon)
+        if self.fold is None:  # derived: a 16-step chunk's positions whatever the horizon
+            unet16 = self.denoiser == "unet" and self.horizon % 16 == 0
+            self.fold = self.horizon // 16 if unet16 and self.horizon >= 16 else 1
         _positive("policy.fold", self.fold)
         _choice("policy.prediction", self.prediction, ("epsilon", "sample"))
         if self.prediction != "epsilon" and self.denoiser != "unet":
