@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev,deploy]"
-	$(PYTHON) -m diffpolicy.ops || echo "GAE CPU kernel not built; the pure-torch path will be used"
+	$(PYTHON) -m diffpolicy.ops || echo "CPU kernels not built; the pure-torch paths will be used"
 	@touch $(STAMP)
 
 setup: $(STAMP)  ## system packages, the venv (unless one is active), torch (CPU build), the project + dev extras
@@ -63,7 +63,7 @@ test-all: $(STAMP)  ## also the slow training checks
 # Every benchmark of diffpolicy.bench.BENCHMARKS except the long multi-run studies (diffpolicy.bench.STUDIES):
 # demos_curve trains and evaluates BC at several demonstration counts and redraws docs/demos_curve.png, so it is
 # run on its own (python -m diffpolicy.bench demos_curve). tests/test_bench.py checks this list.
-BENCH ?= env gae sampler bimodal ppo_update stabledrl scaling serve encoders bc_step demos_import
+BENCH ?= env gae sampler bimodal ppo_update stabledrl scaling serve encoders bc_step group_norm_mish demos_import
 
 bench: $(STAMP)  ## every benchmark (BENCH="gae env" picks some), one JSON line each, into runs/bench.jsonl
 	@mkdir -p runs

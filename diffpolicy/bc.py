@@ -89,12 +89,14 @@ def ema_update(target: torch.nn.Module, source: torch.nn.Module, decay: float) -
         t.copy_(s)
 
 
-def adamw(params: list[torch.nn.Parameter], lr: float, fused: bool = False) -> torch.optim.AdamW:
-    """AdamW as BC and ``algo=filtered_bc``'s continuation step it: betas (0.95, 0.999), weight decay
-    :data:`BC_WEIGHT_DECAY`, torch's default (multi-tensor) implementation. ``fused=True`` takes torch's fused
-    CPU/CUDA kernel: 17.6 -> 4.3 ms per step for ``policy=unet_small``'s 5.6 M parameters on one core, ~4 % of
-    a batch-128 BC step (``bench bc_step fused=true``); not the default, because it changes every trained
-    policy's bits and with them every figure the README states."""
+def adamw(params: list[torch.nn.Parameter], lr: float, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW as BC and the learners' imitation steps take it: betas (0.95, 0.999), weight decay
+    :data:`BC_WEIGHT_DECAY`. ``fused=None`` takes torch's fused kernel where the parameters live on the CPU or
+    a CUDA GPU (17.6 -> 4.3 ms a step for ``policy=unet_small``'s 5.6 M parameters on one core) and the
+    multi-tensor implementation elsewhere (an NPU's optimiser is torch_npu's business); True / False
+    force either."""
+    if fused is None:
+        fused = bool(params) and params[0].device.type in ("cpu", "cuda")
     return torch.optim.AdamW(
         params, lr=lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY, fused=True if fused else None
     )

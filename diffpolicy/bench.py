@@ -30,6 +30,7 @@ BENCHMARKS = {
     "serve": "gRPC action server latency and throughput",
     "encoders": "encoder forward+backward samples/s per modality at the BC batch size",
     "bc_step": "one BC optimiser step of the state task's policy at several batch sizes",
+    "group_norm_mish": "the U-Net block's GroupNorm + Mish operator against ATen's ops, forward + backward",
     "demos_curve": "held-out BC success against the number of demonstrations (and fine-tuned policies on it)",
     "demos_import": "LeRobotDataset import (video decode + cache) in frames/s, H.264 and AV1, against the native format",
 }

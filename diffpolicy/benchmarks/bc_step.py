@@ -88,8 +88,8 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     ``warmup`` (2), ``horizon`` (16), ``fold`` (1: ``policy.fold``), ``prediction`` (epsilon:
     ``policy.prediction``), ``variants`` ([]: other chunk shapes ``"<horizon>/<fold>[/<prediction>]"``, e.g.
     ``["64/1", "64/4/sample"]``, each timed at the reference batch in the same rounds and reported as its
-    ratio to the main policy's step), ``fused`` (False: AdamW's fused kernel, a lever BC
-    does not take), ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the
+    ratio to the main policy's step), ``fused`` (None: AdamW's kernel as BC picks it, fused on the
+    CPU; true / false force it), ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the
     floor, see the module docstring), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
     batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
     reference = int(kwargs.pop("reference", 128))
@@ -99,7 +99,8 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     prediction = str(kwargs.pop("prediction", "epsilon"))
     variants = {str(v): _variant(v) for v in kwargs.pop("variants", [])}
     peer_path = kwargs.pop("peer", None)
-    fused = bool(kwargs.pop("fused", False))
+    fused = kwargs.pop("fused", None)
+    fused = None if fused is None else bool(fused)
     precision = str(kwargs.pop("precision", "fp32"))
     floor = bool(kwargs.pop("floor", False))
     if kwargs:

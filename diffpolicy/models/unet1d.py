@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from diffpolicy.ops import group_norm_mish
+
 
 class SinusoidalPosEmb(nn.Module):
     """Transformer-style sinusoidal embedding of a (possibly fractional) step index: (M,) -> (M, dim)."""
@@ -46,7 +48,8 @@ class SinusoidalPosEmb(nn.Module):
 
 
 class Conv1dBlock(nn.Module):
-    """Conv1d -> GroupNorm -> Mish over (B, C, Ta)."""
+    """Conv1d -> GroupNorm -> Mish over (B, C, Ta); GroupNorm and Mish are one operator
+    (:func:`diffpolicy.ops.group_norm_mish`: a compiled kernel on the CPU in float32, ATen's ops elsewhere)."""
 
     def __init__(self, c_in: int, c_out: int, kernel_size: int, n_groups: int, affine: bool = True) -> None:
         super().__init__()
@@ -54,7 +57,8 @@ class Conv1dBlock(nn.Module):
         self.norm = nn.GroupNorm(n_groups, c_out, affine=affine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.mish(self.norm(self.conv(x)))
+        norm = self.norm
+        return group_norm_mish(self.conv(x), norm.weight, norm.bias, norm.num_groups, norm.eps)
 
 
 class CondResBlock1d(nn.Module):

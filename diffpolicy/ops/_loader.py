@@ -1,22 +1,24 @@
 """Build and load the compiled kernels of kernels/ for the device a tensor lives on.
 
-Every kernel registers itself for its dispatch key under the operator name defined in
-:mod:`diffpolicy.ops._gae` when its shared library is loaded:
+Every kernel registers itself for its dispatch key under the operator names defined in its Python module
+(:mod:`diffpolicy.ops._gae`, :mod:`diffpolicy.ops._group_norm_mish`) when its shared library is loaded:
 
-===========  ======================  =====================================================
-device type  dispatch key            source, built how
-===========  ======================  =====================================================
-``cpu``      ``CPU``                 ``kernels/gae/cpu/gae_cpu.cpp``, torch.utils.cpp_extension
-``cuda``     ``CUDA``                ``kernels/gae/cuda/gae.cu``, cpp_extension with nvcc
-``npu``      ``PrivateUse1``         ``kernels/gae/ascendc`` (AscendC + torch binding), CMake
-===========  ======================  =====================================================
+=================== ===========  ============  ====================================================
+kernel              device type  dispatch key  source, built how
+=================== ===========  ============  ====================================================
+``gae``             ``cpu``      CPU           ``kernels/gae/cpu/gae_cpu.cpp``, cpp_extension
+``gae``             ``cuda``     CUDA          ``kernels/gae/cuda/gae.cu``, cpp_extension with nvcc
+``gae``             ``npu``      PrivateUse1   ``kernels/gae/ascendc`` (AscendC + torch binding), CMake
+``group_norm_mish`` ``cpu``      CPU           ``kernels/group_norm_mish/cpu/group_norm_mish_cpu.cpp``
+=================== ===========  ============  ====================================================
 
 Builds happen once per machine, on first use or through :func:`build` (``python -m diffpolicy.ops``),
 into a user cache directory: ``$DIFFPOLICY_CACHE/torch_extensions``, else
 ``$XDG_CACHE_HOME/diffpolicy/torch_extensions``, else ``~/.cache/diffpolicy/torch_extensions``.
 When a kernel cannot be built (no compiler, no nvcc, no CANN) the operator runs its pure-torch
-implementation and :func:`warn_fallback` says so once per device type. Setting
-``DIFFPOLICY_GAE_BACKEND=torch`` skips every build and forces that path.
+implementation and :func:`warn_fallback` says so once per kernel and device type. Setting a kernel's
+environment variable to ``torch`` (``DIFFPOLICY_GAE_BACKEND``, ``DIFFPOLICY_NORM_BACKEND``) skips its builds
+and forces that path.
 
 ``torch_npu`` is never imported here at module import time, only when an ``npu`` tensor is seen (and
 therefore ``torch_npu`` is already imported by the caller).
@@ -36,17 +38,18 @@ from pathlib import Path
 
 import torch
 
-OP_NAME = "diffpolicy::gae"
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 """The kernel sources, located from this file so the op works from any working directory."""
-BACKEND_ENV = "DIFFPOLICY_GAE_BACKEND"
-"""Environment variable: ``auto`` (default) builds the compiled kernels, ``torch`` never does."""
+OP_NAMES = {"gae": "diffpolicy::gae", "group_norm_mish": "diffpolicy::group_norm_mish"}
+"""Kernel -> the operator whose registration says that its library is loaded."""
+BACKEND_ENVS = {"gae": "DIFFPOLICY_GAE_BACKEND", "group_norm_mish": "DIFFPOLICY_NORM_BACKEND"}
+"""Kernel -> environment variable: ``auto`` (default) builds the compiled kernels, ``torch`` never does."""
 
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "npu": "PrivateUse1"}
 _lock = threading.RLock()
-_status: dict[str, str] = {}
-"""device type -> ``"compiled"`` or the reason the pure-torch implementation runs."""
-_warned: set[str] = set()
+_status: dict[tuple[str, str], str] = {}
+"""(kernel, device type) -> ``"compiled"`` or the reason the pure-torch implementation runs."""
+_warned: set[tuple[str, str]] = set()
 
 
 class KernelFallbackWarning(UserWarning):
@@ -67,9 +70,9 @@ def cache_dir() -> Path:
     return path
 
 
-def _has_kernel(device_type: str) -> bool:
+def _has_kernel(device_type: str, kernel: str = "gae") -> bool:
     key = _DISPATCH_KEYS.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(OP_NAME, key)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(OP_NAMES[kernel], key)
 
 
 def _openmp_flags() -> list[str]:
@@ -80,7 +83,7 @@ def _openmp_flags() -> list[str]:
     return []
 
 
-def _load_cpu(verbose: bool) -> None:
+def _cpp_extension(kernel: str, verbose: bool) -> None:
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "c++")
@@ -88,16 +91,24 @@ def _load_cpu(verbose: bool) -> None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} not on PATH)")
     omp = _openmp_flags()
     # -O3 without -march: the binary must run on any CPU of the same architecture (shared caches,
-    # clusters); the baseline SIMD width (SSE2 / NEON) is enough for this memory-bound kernel.
+    # clusters); the sources pick an AVX2 clone of their loops at load time where the CPU has it.
     cpp_extension.load(
-        name="diffpolicy_gae_cpu",
-        sources=[str(KERNELS_DIR / "gae" / "cpu" / "gae_cpu.cpp")],
+        name=f"diffpolicy_{kernel}_cpu",
+        sources=[str(KERNELS_DIR / kernel / "cpu" / f"{kernel}_cpu.cpp")],
         extra_cflags=["-O3", *omp],
         extra_ldflags=omp,
-        build_directory=str(_build_dir("gae_cpu")),
+        build_directory=str(_build_dir(f"{kernel}_cpu")),
         is_python_module=False,
         verbose=verbose,
     )
+
+
+def _load_cpu(verbose: bool) -> None:
+    _cpp_extension("gae", verbose)
+
+
+def _load_group_norm_mish_cpu(verbose: bool) -> None:
+    _cpp_extension("group_norm_mish", verbose)
 
 
 def _load_cuda(verbose: bool) -> None:
@@ -158,7 +169,11 @@ def _load_npu(verbose: bool) -> None:
     torch.ops.load_library(str(library))
 
 
-_LOADERS = {"cpu": _load_cpu, "cuda": _load_cuda, "npu": _load_npu}
+_LOADERS = {
+    "gae": {"cpu": _load_cpu, "cuda": _load_cuda, "npu": _load_npu},
+    "group_norm_mish": {"cpu": _load_group_norm_mish_cpu},
+}
+"""Kernel -> device type -> the function that builds and loads it."""
 
 
 def _build_dir(name: str) -> Path:
@@ -167,60 +182,69 @@ def _build_dir(name: str) -> Path:
     return path
 
 
-def ensure_kernel(device_type: str, verbose: bool = False) -> bool:
-    """Build/load the compiled kernel for ``device_type`` once; True when it is registered.
+def ensure_kernel(device_type: str, verbose: bool = False, kernel: str = "gae") -> bool:
+    """Build/load ``kernel``'s compiled implementation for ``device_type`` once; True when registered.
 
     Never raises: a failed build is recorded (see :func:`kernel_status`) and the caller falls back.
     """
-    if _has_kernel(device_type):
-        _status[device_type] = "compiled"
+    key = (kernel, device_type)
+    if _has_kernel(device_type, kernel):
+        _status[key] = "compiled"
         return True
     with _lock:
-        if device_type in _status:
-            return _status[device_type] == "compiled"
-        if os.environ.get(BACKEND_ENV, "auto").lower() == "torch":
-            _status[device_type] = f"disabled by {BACKEND_ENV}=torch"
+        if key in _status:
+            return _status[key] == "compiled"
+        env = BACKEND_ENVS[kernel]
+        if os.environ.get(env, "auto").lower() == "torch":
+            _status[key] = f"disabled by {env}=torch"
             return False
-        loader = _LOADERS.get(device_type)
+        loader = _LOADERS[kernel].get(device_type)
         if loader is None:
-            _status[device_type] = f"no compiled kernel for device type {device_type!r}"
+            _status[key] = f"no compiled kernel for device type {device_type!r}"
             return False
         try:
             loader(verbose)
         except Exception as exc:  # any build or load failure means: use the pure-torch path
-            _status[device_type] = f"build failed: {type(exc).__name__}: {exc}".splitlines()[0][:500]
+            _status[key] = f"build failed: {type(exc).__name__}: {exc}".splitlines()[0][:500]
             return False
-        if not _has_kernel(device_type):
-            _status[device_type] = "library loaded but registered no kernel"
+        if not _has_kernel(device_type, kernel):
+            _status[key] = "library loaded but registered no kernel"
             return False
-        _status[device_type] = "compiled"
+        _status[key] = "compiled"
         return True
 
 
-def warn_fallback(device_type: str) -> None:
-    """Warn once per device type that the pure-torch implementation is running."""
-    if device_type in _warned:
+_FALLBACK_COST = {
+    "gae": "launches O(T) small operations",
+    "group_norm_mish": "runs ATen's group_norm and mish as separate passes",
+}
+
+
+def warn_fallback(device_type: str, kernel: str = "gae") -> None:
+    """Warn once per kernel and device type that the pure-torch implementation is running."""
+    if (kernel, device_type) in _warned:
         return
-    _warned.add(device_type)
-    reason = _status.get(device_type, "not built")
+    _warned.add((kernel, device_type))
+    reason = _status.get((kernel, device_type), "not built")
     warnings.warn(
-        f"diffpolicy.ops.gae: no compiled {device_type} kernel ({reason}); running the pure-torch "
-        "implementation, which is correct but launches O(T) small operations.",
+        f"diffpolicy.ops.{kernel}: no compiled {device_type} kernel ({reason}); running the pure-torch "
+        f"implementation, which is correct but {_FALLBACK_COST[kernel]}.",
         KernelFallbackWarning,
         stacklevel=3,
     )
 
 
-def kernel_status() -> dict[str, str]:
-    """Device type -> ``"compiled"`` or why the pure-torch implementation runs (only tried types)."""
-    return dict(_status)
+def kernel_status(kernel: str = "gae") -> dict[str, str]:
+    """Device type -> ``"compiled"`` or why ``kernel``'s pure-torch implementation runs (tried types only)."""
+    return {device: status for (k, device), status in _status.items() if k == kernel}
 
 
-def build(device_types: list[str] | None = None, verbose: bool = False) -> dict[str, str]:
-    """Prebuild the kernels for ``device_types`` (default: every device type present here).
+def build(device_types: list[str] | None = None, verbose: bool = False) -> dict[str, dict[str, str]]:
+    """Prebuild every kernel for ``device_types`` (default: every device type present here).
 
-    Returns :func:`kernel_status` for those types. The CPU kernel is always attempted; CUDA when
-    ``torch.cuda.is_available()``; NPU when ``torch_npu`` and CANN are installed.
+    Returns kernel -> device type -> status, for the device types each kernel has an implementation
+    for. CPU kernels are always attempted; CUDA when ``torch.cuda.is_available()``; NPU when
+    ``torch_npu`` and CANN are installed.
     """
     if device_types is None:
         device_types = ["cpu"]
@@ -228,6 +252,11 @@ def build(device_types: list[str] | None = None, verbose: bool = False) -> dict[
             device_types.append("cuda")
         if importlib.util.find_spec("torch_npu") is not None and _ascend_home():
             device_types.append("npu")
-    for device_type in device_types:
-        ensure_kernel(device_type, verbose=verbose)
-    return {d: _status.get(d, "not attempted") for d in device_types}
+    out: dict[str, dict[str, str]] = {}
+    for kernel, loaders in _LOADERS.items():
+        out[kernel] = {}
+        for device_type in device_types:
+            if device_type in loaders:
+                ensure_kernel(device_type, verbose=verbose, kernel=kernel)
+                out[kernel][device_type] = _status.get((kernel, device_type), "not attempted")
+    return out
