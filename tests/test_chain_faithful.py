@@ -153,6 +153,59 @@ def test_success_reward_refuses_an_env_without_success() -> None:
         compose("train", ["algo=dppo", "algo.reward=sparse"])
 
 
+class Stages(gym.Env):
+    """Meta-World's outcome names over one episode: not reached (2 steps), reached, grasped, then a step that
+    reports reached again (a stage once reached stays), success at step 6."""
+
+    observation_space = Endless.observation_space
+    action_space = Endless.action_space
+    OUTCOMES = ("never_reached", "never_reached", "never_grasped", "timed_out", "never_grasped", "success")
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return {"state": np.zeros(1, np.float32)}, {"is_success": False, "outcome": "never_reached"}
+
+    def step(self, action):
+        outcome = self.OUTCOMES[self.t]
+        self.t += 1
+        done = outcome == "success"
+        return {"state": np.zeros(1, np.float32)}, 5.0, done, False, {"is_success": done, "outcome": outcome}
+
+
+def test_stage_reward_pays_each_stage_once_then_success() -> None:
+    """``algo.reward=stages``: a decision (2 env steps) earns the rise of the potential of the outcome it ends
+    in (reached 0.1, grasped 0.3), never a fall, plus success's 1; the next episode starts from 0 again."""
+    fns = [lambda: ActionChunkWrapper(gym.wrappers.TimeLimit(Stages(), 10), 2)]
+    venv = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    specs = {"state": ((1,), torch.float32), **ppo_specs({}, ft_steps=1, horizon=2, action_dim=2)}
+    buffer = RolloutBuffer(5, 1, {**specs, "valid": ((), torch.float32)})
+    potential = {"never_grasped": 0.1, "timed_out": 0.3}
+    collect_rollout(ChainStub(), lambda c, s=None: torch.zeros(c.shape[0]), venv, buffer, n_steps=5, seeds=[0],
+                    gamma=0.9, device=torch.device("cpu"), reward_source="stages",
+                    stage_potential=potential)  # fmt: skip
+    venv.close()
+    rewards = buffer.get()["rewards"][:, 0]
+    # steps 1-2 not reached; 3-4 reached and grasped; 5 "reached" again, 6 success; a new episode: 1-2, 3-4
+    torch.testing.assert_close(rewards, torch.tensor([0.0, 0.3, 1.0, 0.0, 0.3]))
+    assert rewards[:3].sum().item() == pytest.approx(1.3)  # success + the last stage's potential
+    with pytest.raises(ValueError, match="must be in \\[0, 1\\)"):
+        compose("train", ["algo=dppo", "algo.reward=stages", "algo.stage_potential.timed_out=1.5"])
+    cfg = compose("train", ["algo=dppo", "algo.reward=stages", "algo.stage_potential.timed_out=0.5"])
+    assert dict(cfg.algo.stage_potential) == {"never_grasped": 0.1, "timed_out": 0.5}
+
+
+def test_stage_reward_refuses_an_env_without_outcomes() -> None:
+    fns = [lambda: ActionChunkWrapper(gym.wrappers.TimeLimit(DenseThenSuccess(), 10), 2)]
+    venv = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    specs = {"state": ((1,), torch.float32), **ppo_specs({}, ft_steps=1, horizon=2, action_dim=2)}
+    buffer = RolloutBuffer(1, 1, {**specs, "valid": ((), torch.float32)})
+    with pytest.raises(ValueError, match="algo.reward=stages, but this env reports no stage"):
+        collect_rollout(ChainStub(), lambda c, s=None: torch.zeros(c.shape[0]), venv, buffer, n_steps=1,
+                        seeds=[0], gamma=0.9, device=torch.device("cpu"), reward_source="stages")  # fmt: skip
+    venv.close()
+
+
 # -------------------------------------------------------------- (2) frozen pre-trained denoiser, K' < K
 def test_early_steps_use_a_frozen_copy_of_the_pretrained_denoiser() -> None:
     noise = torch.randn(B, TA, DA, generator=torch.Generator().manual_seed(3))

@@ -277,6 +277,20 @@ def test_bc_step_benchmark_reports_each_batch_against_the_reference() -> None:
         run(repeats=1, precision="fp16")
 
 
+def test_bc_step_benchmark_builds_the_unet_at_the_given_dims() -> None:
+    """bench bc_step dims=[...] (unet_large's levels with its widths): the policy timed has those levels."""
+    from diffpolicy.benchmarks import bc_step
+
+    built = []
+    real = bc_step._policy
+    bc_step._policy = lambda cfg, floor=False: built.append(cfg) or real(cfg, floor)
+    try:
+        out = bc_step.run(repeats=1, warmup=0, batches=[2], reference=2, dims=[16, 32], cond_dim=24)
+    finally:
+        bc_step._policy = real
+    assert out["down_dims"] == [16, 32] and built[0].down_dims == [16, 32] and built[0].cond_dim == 24
+
+
 def test_bc_step_benchmark_times_other_chunk_shapes_in_the_same_rounds() -> None:
     """bench bc_step variants=[64/4]: a folded 64-step policy's step beside the main one, as a ratio to it;
     a malformed or invalid shape is refused before anything is timed."""

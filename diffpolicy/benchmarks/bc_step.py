@@ -86,7 +86,8 @@ def _variant(text: Any) -> PolicyConfig:
 def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     """Seconds per BC step at each batch size (kwargs: ``batches`` ([32, 64, 128]), ``reference`` (128),
     ``warmup`` (2), ``horizon`` (16), ``fold`` (1: ``policy.fold``), ``prediction`` (epsilon:
-    ``policy.prediction``), ``variants`` ([]: other chunk shapes ``"<horizon>/<fold>[/<prediction>]"``, e.g.
+    ``policy.prediction``), ``dims`` ([64, 128, 256]: ``policy.down_dims``, the peer's U-Net the same; ``[256,
+    512, 1024]`` with ``cond_dim=512 step_embed_dim=256`` is ``policy=unet_large``), ``variants ([]: other chunk shapes ``"<horizon>/<fold>[/<prediction>]"``, e.g.
     ``["64/1", "64/4/sample"]``, each timed at the reference batch in the same rounds and reported as its
     ratio to the main policy's step), ``fused`` (None: AdamW's kernel as BC picks it, fused on the
     CPU; true / false force it), ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the
@@ -97,6 +98,8 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     horizon = int(kwargs.pop("horizon", HORIZON))
     fold = int(kwargs.pop("fold", 1))
     prediction = str(kwargs.pop("prediction", "epsilon"))
+    dims = [int(d) for d in kwargs.pop("dims", PolicyConfig().down_dims)]
+    widths = {k: int(kwargs.pop(k)) for k in ("cond_dim", "step_embed_dim") if k in kwargs}
     variants = {str(v): _variant(v) for v in kwargs.pop("variants", [])}
     peer_path = kwargs.pop("peer", None)
     fused = kwargs.pop("fused", None)
@@ -105,8 +108,8 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     floor = bool(kwargs.pop("floor", False))
     if kwargs:
         raise ValueError(
-            "bc_step takes batches, reference, warmup, horizon, fold, prediction, variants, fused, precision, floor "
-            f"and peer; got {sorted(kwargs)}"
+            "bc_step takes batches, reference, warmup, horizon, fold, prediction, dims, cond_dim, step_embed_dim, "
+            f"variants, fused, precision, floor and peer; got {sorted(kwargs)}"
         )
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"bc_step precision={precision!r}: fp32 | bf16")
@@ -119,7 +122,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
-    cfg = PolicyConfig(horizon=horizon, fold=fold, prediction=prediction)
+    cfg = PolicyConfig(horizon=horizon, fold=fold, prediction=prediction, down_dims=dims, **widths)
     policy = _policy(cfg)
     g = torch.Generator().manual_seed(0)
     ema = copy.deepcopy(policy).eval()
@@ -208,6 +211,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     }
     out = {
         "policy": cfg.name,
+        "down_dims": dims,
         "horizon": horizon,
         "fold": fold,
         "prediction": prediction,

@@ -208,8 +208,16 @@ class ChainConfig(SamplingConfig, PPOConfig):
     executed actions reach ``info["is_success"]``, else 0: DPPO's sparse robomimic reward). An environment
     that ends episodes on success and pays a dense reward for every step near its goal (Meta-World) pays more
     for not finishing than for finishing; with ``success`` the discounted return is gamma^t of the decision
-    that succeeds, so succeeding, and succeeding sooner, is all that earns. Episode returns in the metrics
-    stay the environment's."""
+    that succeeds, so succeeding, and succeeding sooner, is all that earns. stages: success's reward plus, once
+    per episode, the value :attr:`stage_potential` gives the furthest ``info["outcome"]`` reached so far
+    (potential-based shaping), for tasks whose rollouts hold too few successes to learn from. Episode returns
+    in the metrics stay the environment's."""
+    stage_potential: dict[str, float] = field(
+        default_factory=lambda: {"never_grasped": 0.1, "timed_out": 0.3}
+    )
+    """``algo.reward=stages``: outcome name (``info["outcome"]``) -> the potential of having reached it, in
+    units of a success. The default names Meta-World's stages: ``never_grasped`` is reported once the hand has
+    come near the object, ``timed_out`` once it has grasped it (``never_reached`` and names left out: 0)."""
     critic_input: str = "cond"
     """What the critic reads: cond (the policy's fused observation vector, frozen features trained for
     imitation) | state (the normalised state vector; DPPO's Gym critic, which reads the raw normalised
@@ -305,7 +313,12 @@ class ChainConfig(SamplingConfig, PPOConfig):
         _choice("algo.reg", self.reg, ("none", "kl", "bc"))
         _choice("algo.reward_scale", self.reward_scale, ("none", "running"))
         _choice("algo.critic_input", self.critic_input, ("cond", "state"))
-        _choice("algo.reward", self.reward, ("env", "success"))
+        _choice("algo.reward", self.reward, ("env", "success", "stages"))
+        for name, value in dict(self.stage_potential).items():
+            if not 0.0 <= float(value) < 1.0:
+                raise ValueError(
+                    f"algo.stage_potential.{name}={value} must be in [0, 1): a stage is worth less than a success"
+                )
         if not self.critic_hidden or any(int(h) <= 0 for h in self.critic_hidden):
             raise ValueError(
                 f"algo.critic_hidden={list(self.critic_hidden)} needs one or more positive widths"

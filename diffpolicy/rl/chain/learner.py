@@ -245,6 +245,7 @@ class ChainLearner(PolicyLearner):
             seeds=env_seeds(self.cfg, seed), gamma=algo.gamma, device=self.rt.device,
             generator=torch.Generator(device=self.rt.device).manual_seed(seed), autocast=self.rt.autocast,
             first_episode_only=self.grpo, bootstrap=not self.grpo, reward_source=algo.reward,
+            stage_potential=dict(algo.stage_potential),
         )  # fmt: skip
         stats.env_steps += self._explore_steps  # the measurement's episodes: once, in the first iteration
         self._explore_steps = 0

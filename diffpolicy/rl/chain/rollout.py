@@ -36,6 +36,7 @@ def collect_rollout(
     first_episode_only: bool = False,
     bootstrap: bool = True,
     reward_source: str = "env",
+    stage_potential: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, RolloutStats]:
     """Run T = ``n_steps`` decisions in every environment from a seeded reset, filling ``buffer``.
 
@@ -52,8 +53,12 @@ def collect_rollout(
         bootstrap: fold the critic's value of a time-limit cut into the reward. False for returns that must
             not depend on a critic (GRPO: its critic is never trained, so V would be noise in the returns).
         reward_source: ``env`` stores the environment's rewards; ``success`` stores 1.0 for a decision whose
-            executed actions reached ``info["is_success"]`` and 0.0 otherwise (``algo.reward``). The
-            episode returns in ``stats`` are the environment's either way.
+            executed actions reached ``info["is_success"]`` and 0.0 otherwise (``algo.reward``); ``stages``
+            adds to that success reward the rise of a potential over the episode's ``info["outcome"]``
+            (``stage_potential``: outcome name -> value, 0 for names it leaves out; reset to 0 at every new
+            episode), so a decision that first reaches a stage earns its value once (shaping in the sense of
+            Ng et al. 1999: the return of a whole episode is success + the potential of the last stage
+            reached). The episode returns in ``stats`` are the environment's either way.
 
     Returns:
         ``(last_value, stats)``: last_value (N,) is V of the observation after the last decision.
@@ -63,6 +68,7 @@ def collect_rollout(
     stats = RolloutStats()
     ep_return = np.zeros(num_envs)
     finished = np.zeros(num_envs, dtype=bool)
+    potential = np.zeros(num_envs)  # the stage potential each env's episode has reached (algo.reward=stages)
     for _ in range(n_steps):
         t0 = time.perf_counter()
         pobs = to_policy_obs(obs, device)
@@ -74,13 +80,23 @@ def collect_rollout(
         reward = reward.astype(np.float64)
         ep_return += reward  # the env's rewards only
         succ = step_info(info, "is_success", num_envs, False).astype(bool)
-        if reward_source == "success":
+        if reward_source in ("success", "stages"):
             if "is_success" not in info and "is_success" not in info.get("final_info", {}):
                 raise ValueError(
-                    "algo.reward=success, but this env reports no success (no info['is_success']); "
+                    f"algo.reward={reward_source}, but this env reports no success (no info['is_success']); "
                     "use algo.reward=env"
                 )
             reward = succ.astype(np.float64)
+        if reward_source == "stages":
+            if "outcome" not in info and "outcome" not in info.get("final_info", {}):
+                raise ValueError(
+                    "algo.reward=stages, but this env reports no stage (no info['outcome']); use algo.reward=success"
+                )
+            outcome = step_info(info, "outcome", num_envs, "")
+            reached = np.array([(stage_potential or {}).get(str(o), 0.0) for o in outcome])
+            reached = np.maximum(reached, potential)  # a stage once reached stays (success ends the episode)
+            reward += reached - potential
+            potential = reached
         executed = step_info(info, "executed", num_envs, actions.shape[1])
         stats.env_steps += int(executed.sum())
         cut = np.flatnonzero(trunc & ~term)
@@ -113,6 +129,7 @@ def collect_rollout(
         for i in np.flatnonzero(done & valid):
             stats.end_episode(ep_return[i], succ[i])
         ep_return[done] = 0.0
+        potential[done] = 0.0
         finished |= done
         obs = next_obs
     with autocast() if autocast is not None else torch.autocast("cpu", enabled=False):
