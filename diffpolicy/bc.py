@@ -89,14 +89,13 @@ def ema_update(target: torch.nn.Module, source: torch.nn.Module, decay: float) -
         t.copy_(s)
 
 
-def adamw(params: list[torch.nn.Parameter], lr: float, fused: bool | None = None) -> torch.optim.AdamW:
+def adamw(params: list[torch.nn.Parameter], lr: float, fused: bool = False) -> torch.optim.AdamW:
     """AdamW as BC and the learners' imitation steps take it: betas (0.95, 0.999), weight decay
-    :data:`BC_WEIGHT_DECAY`. ``fused=None`` takes torch's fused kernel where the parameters live on the CPU or
-    a CUDA GPU (17.6 -> 4.3 ms a step for ``policy=unet_small``'s 5.6 M parameters on one core) and the
-    multi-tensor implementation elsewhere (an NPU's optimiser is torch_npu's business); True / False
-    force either."""
-    if fused is None:
-        fused = bool(params) and params[0].device.type in ("cpu", "cuda")
+    :data:`BC_WEIGHT_DECAY`, torch's multi-tensor implementation. ``fused=True`` (``policy.train_kernels``)
+    takes torch's fused kernel where the parameters live on the CPU or a CUDA GPU (17.6 -> 4.3 ms a step for
+    ``policy=unet_small``'s 5.6 M parameters on one core) and the multi-tensor one elsewhere (an NPU's
+    optimiser is torch_npu's business)."""
+    fused = fused and bool(params) and params[0].device.type in ("cpu", "cuda")
     return torch.optim.AdamW(
         params, lr=lr, betas=(0.95, 0.999), weight_decay=BC_WEIGHT_DECAY, fused=True if fused else None
     )
@@ -300,7 +299,9 @@ def bc_optimiser(
     a linear warm-up over 5 % of the ``total`` steps (at most 500), then a cosine decay."""
     params = [p for p in policy.parameters() if p.requires_grad]
     params += list(aux.parameters()) if aux is not None else []
-    optim = adamw(params, bc_cfg.lr)
+    optim = adamw(
+        params, bc_cfg.lr, fused=bool(getattr(getattr(policy, "cfg", None), "train_kernels", False))
+    )
     warmup = max(1, min(500, total // 20))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
     return params, optim, sched

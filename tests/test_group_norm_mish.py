@@ -125,14 +125,16 @@ def test_a_groups_count_that_does_not_divide_the_channels_is_one_line():
 
 
 def test_the_unet_block_runs_the_op_and_matches_atens_block():
-    """Conv1dBlock's output and its parameters' gradients equal ATen's conv -> group_norm -> mish."""
+    """Conv1dBlock with the kernel: output and parameter gradients equal ATen's conv -> group_norm -> mish;
+    without it (the default) the block is ATen's ops."""
     from diffpolicy.models.unet1d import Conv1dBlock
 
     torch.manual_seed(0)
-    block = Conv1dBlock(7, 64, 5, 8)
+    block = Conv1dBlock(7, 64, 5, 8, norm_kernel=True)
     x = torch.randn(32, 7, 16)
     y = block(x)
     assert type(y.grad_fn).__name__ == "_GroupNormMishBackward"
+    assert type(Conv1dBlock(7, 64, 5, 8)(x).grad_fn).__name__ == "MishBackward0"
     grads = torch.autograd.grad(y.square().sum(), list(block.parameters()))
     ref_y = F.mish(block.norm(block.conv(x)))
     ref_grads = torch.autograd.grad(ref_y.square().sum(), list(block.parameters()))
@@ -178,9 +180,27 @@ def test_group_norm_mish_benchmark_tiny():
         run(repeats=1, size=3)
 
 
-def test_bc_optimiser_is_fused_on_the_cpu_unless_told():
-    from diffpolicy.bc import adamw
+def test_policy_train_kernels_switches_the_blocks_and_the_bc_optimiser():
+    """policy.train_kernels=true: every U-Net block runs the operator and BC's AdamW is fused; off (the
+    default), neither; the flag enters the BC cache key only when on."""
+    from diffpolicy.bc import bc_optimiser
+    from diffpolicy.config import BCConfig, PolicyConfig
+    from diffpolicy.models.unet1d import Conv1dBlock
+    from diffpolicy.policy_io import build_policy
 
-    params = [torch.nn.Parameter(torch.randn(3))]
-    assert adamw(params, 1e-3).defaults["fused"] is True
-    assert not adamw(params, 1e-3, fused=False).defaults["fused"]
+    for on in (False, True):
+        policy = build_policy(
+            PolicyConfig(horizon=16, train_kernels=on), {"state": [5]}, 3, text_backend="hash"
+        )
+        blocks = [m for m in policy.modules() if isinstance(m, Conv1dBlock)]
+        assert blocks and all(b.norm_kernel is on for b in blocks)
+        _, optim, _ = bc_optimiser(policy, None, BCConfig(), 10)
+        assert bool(optim.defaults["fused"]) is on
+    from diffpolicy.bc import bc_key
+    from diffpolicy.cli import compose
+
+    base = compose("train", ["env=mujoco_pick"])
+    on = compose("train", ["env=mujoco_pick", "policy.train_kernels=true"])
+    off = compose("train", ["env=mujoco_pick", "policy.train_kernels=false"])
+    keys = [bc_key(c.env, c.policy, c.bc, c.seed) for c in (base, off, on)]
+    assert keys[0] == keys[1] != keys[2]

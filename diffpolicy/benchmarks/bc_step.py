@@ -89,8 +89,9 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     ``policy.prediction``), ``dims`` ([64, 128, 256]: ``policy.down_dims``, the peer's U-Net the same; ``[256,
     512, 1024]`` with ``cond_dim=512 step_embed_dim=256`` is ``policy=unet_large``), ``variants ([]: other chunk shapes ``"<horizon>/<fold>[/<prediction>]"``, e.g.
     ``["64/1", "64/4/sample"]``, each timed at the reference batch in the same rounds and reported as its
-    ratio to the main policy's step), ``fused`` (None: AdamW's kernel as BC picks it, fused on the
-    CPU; true / false force it), ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the
+    ratio to the main policy's step), ``train_kernels`` (False: ``policy.train_kernels``, the GroupNorm +
+    Mish operator and fused AdamW), ``fused`` (AdamW's fused kernel alone; default: as ``train_kernels``),
+    ``precision`` (fp32 | bf16: CPU autocast of both steps), ``floor`` (False: also time the
     floor, see the module docstring), ``peer`` (a diffusion_policy checkout; else ``$DIFFPOLICY_PEER_DP``))."""
     batches = [int(b) for b in kwargs.pop("batches", [32, 64, 128])]
     reference = int(kwargs.pop("reference", 128))
@@ -102,14 +103,14 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
     widths = {k: int(kwargs.pop(k)) for k in ("cond_dim", "step_embed_dim") if k in kwargs}
     variants = {str(v): _variant(v) for v in kwargs.pop("variants", [])}
     peer_path = kwargs.pop("peer", None)
-    fused = kwargs.pop("fused", None)
-    fused = None if fused is None else bool(fused)
+    train_kernels = bool(kwargs.pop("train_kernels", False))
+    fused = bool(kwargs.pop("fused", train_kernels))
     precision = str(kwargs.pop("precision", "fp32"))
     floor = bool(kwargs.pop("floor", False))
     if kwargs:
         raise ValueError(
             "bc_step takes batches, reference, warmup, horizon, fold, prediction, dims, cond_dim, step_embed_dim, "
-            f"variants, fused, precision, floor and peer; got {sorted(kwargs)}"
+            f"variants, train_kernels, fused, precision, floor and peer; got {sorted(kwargs)}"
         )
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"bc_step precision={precision!r}: fp32 | bf16")
@@ -122,7 +123,14 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
-    cfg = PolicyConfig(horizon=horizon, fold=fold, prediction=prediction, down_dims=dims, **widths)
+    cfg = PolicyConfig(
+        horizon=horizon,
+        fold=fold,
+        prediction=prediction,
+        down_dims=dims,
+        train_kernels=train_kernels,
+        **widths,
+    )
     policy = _policy(cfg)
     g = torch.Generator().manual_seed(0)
     ema = copy.deepcopy(policy).eval()
@@ -163,6 +171,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
 
     variant_steps = {}
     for name, vcfg in variants.items():
+        vcfg.train_kernels = train_kernels
         model = _policy(vcfg)
         average = copy.deepcopy(model).eval()
         opt = adamw([p for p in model.parameters() if p.requires_grad], 3e-4, fused=fused)
@@ -226,6 +235,7 @@ def run(repeats: int = 5, threads: int = 2, **kwargs: Any) -> dict:
             }
             for k, v in variant_times.items()
         }
+    out["train_kernels"] = train_kernels
     out["adamw_fused"] = bool(optim.defaults.get("fused"))
     out["precision"] = precision
     if floor_step is not None:

@@ -214,6 +214,14 @@ class PolicyConfig:
     """What the U-Net's trunk predicts (``denoiser=unet``): epsilon (the noise, Chi et al.'s default) | sample
     (the clean chunk x0; the network still returns the noise it implies, so sampling, the DDPM loss and the
     chain log-probs are unchanged)."""
+    train_kernels: bool = False
+    """The training step's fast kernels: the U-Net's GroupNorm + Mish as one compiled CPU operator
+    (:func:`diffpolicy.ops.group_norm_mish`; ATen's ops elsewhere) and torch's fused AdamW for BC and the
+    learners' imitation steps. ~1.2x a BC step on the CPU (``bench bc_step train_kernels=true``), the same
+    function to float32 rounding, but not the same bits: off by default because the one default run measured
+    with them fine-tuned to 0.79 on validation where the same run without them reads 0.865
+    (docs/experiments.md, 2026-12-07 fifth session); whether that is their effect or one run's luck is not
+    measured yet. Part of the BC cache key when on."""
     n_obs_steps: int = 1
     """To: observation history steps."""
     n_action_steps: int | None = None

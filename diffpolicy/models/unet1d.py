@@ -48,30 +48,49 @@ class SinusoidalPosEmb(nn.Module):
 
 
 class Conv1dBlock(nn.Module):
-    """Conv1d -> GroupNorm -> Mish over (B, C, Ta); GroupNorm and Mish are one operator
+    """Conv1d -> GroupNorm -> Mish over (B, C, Ta). With ``norm_kernel`` GroupNorm and Mish are one operator
     (:func:`diffpolicy.ops.group_norm_mish`: a compiled kernel on the CPU in float32, ATen's ops elsewhere)."""
 
-    def __init__(self, c_in: int, c_out: int, kernel_size: int, n_groups: int, affine: bool = True) -> None:
+    def __init__(
+        self,
+        c_in: int,
+        c_out: int,
+        kernel_size: int,
+        n_groups: int,
+        affine: bool = True,
+        norm_kernel: bool = False,
+    ) -> None:
         super().__init__()
         self.conv = nn.Conv1d(c_in, c_out, kernel_size, padding=kernel_size // 2)
         self.norm = nn.GroupNorm(n_groups, c_out, affine=affine)
+        self.norm_kernel = norm_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.norm
-        return group_norm_mish(self.conv(x), norm.weight, norm.bias, norm.num_groups, norm.eps)
+        if self.norm_kernel:
+            return group_norm_mish(self.conv(x), norm.weight, norm.bias, norm.num_groups, norm.eps)
+        return F.mish(norm(self.conv(x)))
 
 
 class CondResBlock1d(nn.Module):
     """Residual block with the condition injected between its two convolutions (FiLM or AdaNorm)."""
 
     def __init__(
-        self, c_in: int, c_out: int, cond_dim: int, kernel_size: int, n_groups: int, conditioning: str
+        self,
+        c_in: int,
+        c_out: int,
+        cond_dim: int,
+        kernel_size: int,
+        n_groups: int,
+        conditioning: str,
+        norm_kernel: bool = False,
     ) -> None:
         super().__init__()
         self.conditioning = conditioning
         self.c_out = c_out
-        self.block0 = Conv1dBlock(c_in, c_out, kernel_size, n_groups, affine=conditioning == "film")
-        self.block1 = Conv1dBlock(c_out, c_out, kernel_size, n_groups)
+        film = conditioning == "film"
+        self.block0 = Conv1dBlock(c_in, c_out, kernel_size, n_groups, affine=film, norm_kernel=norm_kernel)
+        self.block1 = Conv1dBlock(c_out, c_out, kernel_size, n_groups, norm_kernel=norm_kernel)
         self.cond_proj = nn.Linear(cond_dim, 2 * c_out)
         """Maps mish(condition) to [scale, shift], each (B, c_out)."""
         self.residual = nn.Conv1d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
@@ -94,7 +113,8 @@ class ConditionalUnet1D(nn.Module):
 
     ``fold`` consecutive action steps share one position of the U-Net's first level (:attr:`fold`);
     ``prediction`` says what the trunk predicts (:attr:`prediction`; ``sample`` needs the schedule's
-    ``alphas_cumprod`` (T,))."""
+    ``alphas_cumprod`` (T,)); ``norm_kernel`` runs every block's GroupNorm + Mish as one operator
+    (:class:`Conv1dBlock`)."""
 
     fp32_head = True
     """The final 1x1 convolution runs in float32 with autocast disabled."""
@@ -111,6 +131,7 @@ class ConditionalUnet1D(nn.Module):
         fold: int = 1,
         prediction: str = "epsilon",
         alphas_cumprod: torch.Tensor | None = None,
+        norm_kernel: bool = False,
     ) -> None:
         super().__init__()
         if conditioning not in ("film", "adanorm"):
@@ -147,7 +168,7 @@ class ConditionalUnet1D(nn.Module):
         in_out = list(zip(dims[:-1], dims[1:]))
 
         def block(a: int, b: int) -> CondResBlock1d:
-            return CondResBlock1d(a, b, total_cond, kernel_size, n_groups, conditioning)
+            return CondResBlock1d(a, b, total_cond, kernel_size, n_groups, conditioning, norm_kernel)
 
         self.down = nn.ModuleList()
         self.downsample = nn.ModuleList()
@@ -162,7 +183,9 @@ class ConditionalUnet1D(nn.Module):
         for a, b in reversed(in_out[1:]):  # one upsampling per downsampling
             self.up.append(nn.ModuleList([block(2 * b, a), block(a, a)]))
             self.upsample.append(nn.ConvTranspose1d(a, a, 4, stride=2, padding=1))
-        self.final_block = Conv1dBlock(down_dims[0], down_dims[0], kernel_size, n_groups)
+        self.final_block = Conv1dBlock(
+            down_dims[0], down_dims[0], kernel_size, n_groups, norm_kernel=norm_kernel
+        )
         self.final_proj = nn.Conv1d(down_dims[0], fold * action_dim, 1)
         self.zero_init_condition()
 

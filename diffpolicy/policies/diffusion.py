@@ -65,6 +65,7 @@ class DiffusionPolicy(PolicyBase):
                 cfg.fold,
                 cfg.prediction,
                 self.schedule.alphas_cumprod,
+                norm_kernel=cfg.train_kernels,
             )
         self.denoiser.grad_checkpointing = cfg.grad_checkpointing
         self.ft_steps = cfg.ddim_steps

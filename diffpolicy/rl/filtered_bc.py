@@ -95,7 +95,7 @@ class FilteredBCLearner(PolicyLearner):
         self.kept = WindowStore(policy.horizon)
         self._added = 0  # windows the last rollout kept
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optim = adamw(self.params, cfg.algo.lr)
+        self.optim = adamw(self.params, cfg.algo.lr, fused=cfg.policy.train_kernels)
         self.venv = make_envs(
             cfg.env, policy.n_action_steps, cfg.env.num_envs, seed_for_rank(cfg.seed, info.rank)
         )

@@ -159,7 +159,7 @@ class ChainLearner(PolicyLearner):
             if cfg.algo.anchor_encoders:
                 self.anchor_model.set_freeze_encoders(False)
             params = [p for p in self.anchor_model.parameters() if p.requires_grad]
-        self.anchor_optim = adamw(params, cfg.algo.anchor_lr)
+        self.anchor_optim = adamw(params, cfg.algo.anchor_lr, fused=cfg.policy.train_kernels)
 
     def _keep_successes(self) -> None:
         """Add the windows of the rollout's successful episodes to the anchor's store."""
