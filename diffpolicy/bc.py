@@ -299,9 +299,7 @@ def bc_optimiser(
     a linear warm-up over 5 % of the ``total`` steps (at most 500), then a cosine decay."""
     params = [p for p in policy.parameters() if p.requires_grad]
     params += list(aux.parameters()) if aux is not None else []
-    optim = adamw(
-        params, bc_cfg.lr, fused=bool(getattr(getattr(policy, "cfg", None), "train_kernels", False))
-    )
+    optim = adamw(params, bc_cfg.lr, fused=policy.cfg.train_kernels)  # every policy holds its PolicyConfig
     warmup = max(1, min(500, total // 20))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
     return params, optim, sched

@@ -26,6 +26,8 @@ therefore ``torch_npu`` is already imported by the caller).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import os
 import platform
@@ -34,16 +36,28 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 """The kernel sources, located from this file so the op works from any working directory."""
-OP_NAMES = {"gae": "diffpolicy::gae", "group_norm_mish": "diffpolicy::group_norm_mish"}
-"""Kernel -> the operator whose registration says that its library is loaded."""
-BACKEND_ENVS = {"gae": "DIFFPOLICY_GAE_BACKEND", "group_norm_mish": "DIFFPOLICY_NORM_BACKEND"}
-"""Kernel -> environment variable: ``auto`` (default) builds the compiled kernels, ``torch`` never does."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """One compiled operator of kernels/ and how each device type gets it."""
+
+    op: str
+    """The operator whose registration says that the kernel's library is loaded."""
+    env: str
+    """Environment variable: ``auto`` (default) builds the compiled kernels, ``torch`` never does."""
+    fallback_cost: str
+    """What the pure-torch path costs, for the fallback warning."""
+    loaders: dict[str, Callable[[bool], None]]
+    """Device type -> the function that builds and loads it (``verbose``)."""
+
 
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "npu": "PrivateUse1"}
 _lock = threading.RLock()
@@ -72,7 +86,7 @@ def cache_dir() -> Path:
 
 def _has_kernel(device_type: str, kernel: str = "gae") -> bool:
     key = _DISPATCH_KEYS.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(OP_NAMES[kernel], key)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(_KERNELS[kernel].op, key)
 
 
 def _openmp_flags() -> list[str]:
@@ -101,14 +115,6 @@ def _cpp_extension(kernel: str, verbose: bool) -> None:
         is_python_module=False,
         verbose=verbose,
     )
-
-
-def _load_cpu(verbose: bool) -> None:
-    _cpp_extension("gae", verbose)
-
-
-def _load_group_norm_mish_cpu(verbose: bool) -> None:
-    _cpp_extension("group_norm_mish", verbose)
 
 
 def _load_cuda(verbose: bool) -> None:
@@ -169,11 +175,21 @@ def _load_npu(verbose: bool) -> None:
     torch.ops.load_library(str(library))
 
 
-_LOADERS = {
-    "gae": {"cpu": _load_cpu, "cuda": _load_cuda, "npu": _load_npu},
-    "group_norm_mish": {"cpu": _load_group_norm_mish_cpu},
+_KERNELS = {
+    "gae": _Kernel(
+        "diffpolicy::gae",
+        "DIFFPOLICY_GAE_BACKEND",
+        "launches O(T) small operations",
+        {"cpu": functools.partial(_cpp_extension, "gae"), "cuda": _load_cuda, "npu": _load_npu},
+    ),
+    "group_norm_mish": _Kernel(
+        "diffpolicy::group_norm_mish",
+        "DIFFPOLICY_NORM_BACKEND",
+        "runs ATen's group_norm and mish as separate passes",
+        {"cpu": functools.partial(_cpp_extension, "group_norm_mish")},
+    ),
 }
-"""Kernel -> device type -> the function that builds and loads it."""
+"""Every compiled kernel of kernels/, by name."""
 
 
 def _build_dir(name: str) -> Path:
@@ -188,17 +204,19 @@ def ensure_kernel(device_type: str, verbose: bool = False, kernel: str = "gae") 
     Never raises: a failed build is recorded (see :func:`kernel_status`) and the caller falls back.
     """
     key = (kernel, device_type)
+    if _status.get(key) == "compiled":  # once registered, a kernel stays: no dispatcher query per call
+        return True
     if _has_kernel(device_type, kernel):
         _status[key] = "compiled"
         return True
     with _lock:
         if key in _status:
             return _status[key] == "compiled"
-        env = BACKEND_ENVS[kernel]
+        env = _KERNELS[kernel].env
         if os.environ.get(env, "auto").lower() == "torch":
             _status[key] = f"disabled by {env}=torch"
             return False
-        loader = _LOADERS[kernel].get(device_type)
+        loader = _KERNELS[kernel].loaders.get(device_type)
         if loader is None:
             _status[key] = f"no compiled kernel for device type {device_type!r}"
             return False
@@ -214,12 +232,6 @@ def ensure_kernel(device_type: str, verbose: bool = False, kernel: str = "gae") 
         return True
 
 
-_FALLBACK_COST = {
-    "gae": "launches O(T) small operations",
-    "group_norm_mish": "runs ATen's group_norm and mish as separate passes",
-}
-
-
 def warn_fallback(device_type: str, kernel: str = "gae") -> None:
     """Warn once per kernel and device type that the pure-torch implementation is running."""
     if (kernel, device_type) in _warned:
@@ -228,7 +240,7 @@ def warn_fallback(device_type: str, kernel: str = "gae") -> None:
     reason = _status.get((kernel, device_type), "not built")
     warnings.warn(
         f"diffpolicy.ops.{kernel}: no compiled {device_type} kernel ({reason}); running the pure-torch "
-        f"implementation, which is correct but {_FALLBACK_COST[kernel]}.",
+        f"implementation, which is correct but {_KERNELS[kernel].fallback_cost}.",
         KernelFallbackWarning,
         stacklevel=3,
     )
@@ -253,10 +265,10 @@ def build(device_types: list[str] | None = None, verbose: bool = False) -> dict[
         if importlib.util.find_spec("torch_npu") is not None and _ascend_home():
             device_types.append("npu")
     out: dict[str, dict[str, str]] = {}
-    for kernel, loaders in _LOADERS.items():
+    for kernel, spec in _KERNELS.items():
         out[kernel] = {}
         for device_type in device_types:
-            if device_type in loaders:
+            if device_type in spec.loaders:
                 ensure_kernel(device_type, verbose=verbose, kernel=kernel)
                 out[kernel][device_type] = _status.get((kernel, device_type), "not attempted")
     return out
