@@ -38,11 +38,13 @@ ENVS_DIR = pathlib.Path(diffpolicy_envs.__file__).parent
 CONFIGS = [
     ("MujocoPick-v0", {}),
     ("MujocoPick-v0", {"obs_mode": "state"}),
+    ("MujocoDialogue-v0", {}),
+    ("MujocoDialogue-v0", {"obs_mode": "state"}),
     ("ObstacleReach-v0", {}),
     ("MetaWorld-v0", {"task": "pick-place", "image_size": 48, "n_points": 128}),  # the metaworld extra (dev)
     ("MetaWorld-v0", {"task": "pick-place", "obs_mode": "state"}),
 ]
-CONFIG_IDS = ["pick-multimodal", "pick-state", "obstacle-reach", "metaworld-multimodal", "metaworld-state"]
+CONFIG_IDS = ["pick-multimodal", "pick-state", "dialogue-multimodal", "dialogue-state", "obstacle-reach", "metaworld-multimodal", "metaworld-state"]
 
 
 def _make(env_id: str, **kwargs) -> gym.Env:

@@ -5,6 +5,7 @@ Importing this package registers:
 | id | module | what |
 |---|---|---|
 | ``MujocoPick-v0`` | :mod:`diffpolicy_envs.mujoco_pick` | arm picks the named cube into a tray; rgb, points, text |
+| ``MujocoDialogue-v0`` | :mod:`diffpolicy_envs.dialogue` | the same with two trays and an instruction corrected mid-episode |
 | ``ObstacleReach-v0`` | :mod:`diffpolicy_envs.obstacle_reach` | 2-D point mass reaches a goal behind an obstacle |
 | ``MetaWorld-v0`` | :mod:`diffpolicy_envs.meta_world` | any of Meta-World's 50 v3 tasks (``task=``), rgb, points, text (needs ``metaworld``) |
 
@@ -21,7 +22,7 @@ from gymnasium.envs.registration import register, registry
 # every submodule (experts, environments) is imported after this package.
 os.environ.setdefault("MUJOCO_GL", "egl")
 
-ENV_IDS = ("MujocoPick-v0", "ObstacleReach-v0", "MetaWorld-v0")
+ENV_IDS = ("MujocoPick-v0", "MujocoDialogue-v0", "ObstacleReach-v0", "MetaWorld-v0")
 """Environments this package registers."""
 
 if "MujocoPick-v0" not in registry:
@@ -29,6 +30,12 @@ if "MujocoPick-v0" not in registry:
         id="MujocoPick-v0",
         entry_point="diffpolicy_envs.mujoco_pick:MujocoPickEnv",
         max_episode_steps=120,
+    )
+if "MujocoDialogue-v0" not in registry:
+    register(
+        id="MujocoDialogue-v0",
+        entry_point="diffpolicy_envs.dialogue:MujocoDialogueEnv",
+        max_episode_steps=180,
     )
 if "ObstacleReach-v0" not in registry:
     register(

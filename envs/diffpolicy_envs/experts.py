@@ -107,18 +107,40 @@ class PickExpert:
         self._counter = 0
         self._yaw = None
         self._lift_xy = None
+        self._put_xy = None
 
-    def _new_episode(self) -> None:
+    def _new_episode(self, u: MujocoPickEnv) -> None:
         self.reset()
         noise = self._rng.normal(0.0, self.place_noise, 2) if self.place_noise > 0 else np.zeros(2)
         self.place_offset = self.place_bias + noise
+        self._target, self._tray = u.target_id, u.tray_pos.copy()
+
+    def _follow_correction(self, u: MujocoPickEnv) -> None:
+        """The instruction changed mid-episode (MujocoDialogue): a new object means putting a cube already in
+        the jaws back where it lay, then fetching the new one; a new place redirects a cube being carried."""
+        if u.target_id != self._target:
+            self._target = u.target_id
+            if self.phase in ("lift", "transport", "lower"):
+                self.phase, self._put_xy = "put_back", self._lift_xy
+            elif self.phase == "grasp":  # closing on it where it lies: set it down again there
+                self.phase, self._put_xy, self._counter = "let_go", u.ee_pos()[:2], 0
+            elif self.phase not in ("put_back", "set_down", "let_go", "clear"):
+                self.reset()
+        if not np.array_equal(u.tray_pos, self._tray):
+            self._tray = u.tray_pos.copy()
+            if self.phase == "lower":
+                self.phase = "transport"
+            elif self.phase in ("release", "retreat"):  # already let go in the other tray: pick it up again
+                self.reset()
 
     def act(self, env: gym.Env) -> np.ndarray:
         """Next action (7,) float32 in [-1, 1] for the current state of ``env``."""
         u: MujocoPickEnv = env.unwrapped
         if u.episode_id != self._episode:
             self._episode = u.episode_id
-            self._new_episode()
+            self._new_episode(u)
+        if u.target_id != self._target or not np.array_equal(u.tray_pos, self._tray):
+            self._follow_correction(u)
         cube = u.cube_pos(u.target_id)
         ee = u.ee_pos()
         carrying = self.phase in ("lift", "transport", "lower")
@@ -130,6 +152,8 @@ class PickExpert:
         fine = False
         above = 0.16  # tool height (m) when carrying
         place = u.tray_pos[:2] + self.place_offset  # where the release is aimed
+        if self.phase in ("put_back", "set_down", "let_go", "clear"):
+            goal, grip, fine = self._put_back(u, above)
         if self.phase == "approach":
             goal = cube + np.array([0.0, 0.0, 0.09])
             if np.linalg.norm(ee - goal) < 0.012 and self._orientation_error(u) < 0.08:
@@ -179,6 +203,34 @@ class PickExpert:
         return np.append(dq, grip).astype(np.float32)
 
     # ------------------------------------------------------------------------------------------ helpers
+    def _put_back(self, u: MujocoPickEnv, above: float) -> tuple[np.ndarray, float, bool]:
+        """(goal, grip, fine) of the phases that return a cube no longer meant to ``_put_xy``: carry it
+        there, lower it to the table, open, rise clear; then the approach to the new target begins."""
+        ee, spot = u.ee_pos(), self._put_xy
+        if self.phase == "put_back":
+            goal = np.array([*spot, above])
+            if np.linalg.norm(ee - goal) < 0.02:
+                self.phase = "set_down"
+            else:
+                return goal, CLOSE, False
+        low = np.array([*spot, CUBE_HALF + 0.004])
+        if self.phase == "set_down":
+            if np.linalg.norm(ee - low) < 0.008:
+                self.phase, self._counter = "let_go", 0
+            else:
+                return low, CLOSE, True
+        if self.phase == "let_go":
+            self._counter += 1
+            if not (self._counter > 2 and u.gripper_opening() > 2 * FINGER_OPEN - 0.02):
+                return low, OPEN, True
+            self.phase = "clear"
+        goal = np.array([*spot, CUBE_HALF + 0.09])
+        if ee[2] < goal[2] - 0.01:
+            return goal, OPEN, False
+        self.reset()
+        self._yaw = self._grasp_yaw(u)
+        return u.cube_pos(u.target_id) + np.array([0.0, 0.0, 0.09]), OPEN, False
+
     def _grasp_yaw(self, u: MujocoPickEnv) -> float:
         """Jaw yaw (rad) aligned with the target cube's faces, the closest one to the current jaw yaw."""
         mat = u.data.site_xmat[u.grip_site].reshape(3, 3)

@@ -451,7 +451,7 @@ class MujocoPickEnv(CameraSchedule, gym.Env):
         self.reward_weights = weights
         self.action_mode = action_mode
 
-        self.model = mujoco.MjModel.from_xml_path(_asset_path("pick.xml"))
+        self.model = self._load_model()
         self.data = mujoco.MjData(self.model)
         self._index_model()
         self.observation_space = self._observation_space()
@@ -478,6 +478,10 @@ class MujocoPickEnv(CameraSchedule, gym.Env):
         self._rgb = np.zeros((self.image_size, self.image_size, 3), np.uint8)
         self._depth = np.zeros((self.image_size, self.image_size), np.float32)
         self._points = np.zeros((self.n_points, 6), np.float32)
+
+    def _load_model(self) -> mujoco.MjModel:
+        """The scene's compiled model (``assets/pick.xml``); variants of the task add to it."""
+        return mujoco.MjModel.from_xml_path(_asset_path("pick.xml"))
 
     def _index_model(self) -> None:
         """Ids and addresses of the joints, bodies, geoms and sites the env reads, and the IK's scratch buffers
@@ -537,13 +541,7 @@ class MujocoPickEnv(CameraSchedule, gym.Env):
         m, d = self.model, self.data
         mujoco.mj_resetData(m, d)
 
-        self.target_id = (
-            COLORS.index(self.target_color) if self.target_color is not None else int(rng.integers(3))
-        )
-        self.instruction = TEMPLATES[int(rng.integers(len(TEMPLATES)))].format(COLORS[self.target_id])
-        self.tray_pos = np.array([rng.uniform(*TRAY_X_RANGE), rng.uniform(*TRAY_Y_RANGE), 0.0])
-        self._place_goal = self.tray_pos + np.array([0.0, 0.0, TRAY_FLOOR_Z + 0.06])
-        m.body_pos[self.tray_body] = self.tray_pos
+        self._draw_task(rng)
         xy = self._sample_cube_xy(rng)
         for i in range(3):
             yaw = rng.uniform(-np.pi, np.pi)
@@ -722,11 +720,28 @@ class MujocoPickEnv(CameraSchedule, gym.Env):
         return float(self.data.qpos[self.finger_qpos_adr].sum())
 
     # ----------------------------------------------------------------------------------------- internals
+    cube_y_range: tuple[float, float] = CUBE_Y_RANGE
+    """Range (m) of the cubes' y at reset (``CUBE_Y_RANGE``; a variant with trays on both sides narrows it)."""
+
+    def _draw_task(self, rng: np.random.Generator) -> None:
+        """Draw the target cube, the instruction and the tray's position (placing the tray body)."""
+        self.target_id = (
+            COLORS.index(self.target_color) if self.target_color is not None else int(rng.integers(3))
+        )
+        self.instruction = TEMPLATES[int(rng.integers(len(TEMPLATES)))].format(COLORS[self.target_id])
+        self.set_place(np.array([rng.uniform(*TRAY_X_RANGE), rng.uniform(*TRAY_Y_RANGE), 0.0]))
+        self.model.body_pos[self.tray_body] = self.tray_pos
+
+    def set_place(self, tray_pos: np.ndarray) -> None:
+        """Make the tray centred at ``tray_pos`` (3,) m the place the target goes to (success, outcome, reward)."""
+        self.tray_pos = np.asarray(tray_pos, dtype=np.float64).copy()
+        self._place_goal = self.tray_pos + np.array([0.0, 0.0, TRAY_FLOOR_Z + 0.06])
+
     def _sample_cube_xy(self, rng: np.random.Generator) -> np.ndarray:
         xy = np.zeros((3, 2))
         i = 0
         while i < 3:
-            cand = np.array([rng.uniform(*CUBE_X_RANGE), rng.uniform(*CUBE_Y_RANGE)])
+            cand = np.array([rng.uniform(*CUBE_X_RANGE), rng.uniform(*self.cube_y_range)])
             if all(np.linalg.norm(cand - xy[j]) >= CUBE_MIN_SEPARATION for j in range(i)):
                 xy[i] = cand
                 i += 1
