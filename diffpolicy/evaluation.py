@@ -46,6 +46,9 @@ class EvalResult:
     not, or the env reports none)."""
     returns: list[float] = field(default_factory=list)
     """Each episode's undiscounted return (sum of its rewards)."""
+    kinds: list[str] = field(default_factory=list)
+    """The env's final ``info["dialogue_kind"]`` (MujocoDialogue: none, object, place: which slot a
+    correction changed); '' where the env reports none."""
     reports_success: bool = True
     """Whether the env reports ``info["is_success"]`` at all; false (Hopper: returns, no goal) makes the
     success rate and the failure map meaningless, and the summaries give None for them."""
@@ -64,7 +67,25 @@ class EvalResult:
         if not self.reports_success:
             return {"success_rate": None, "success_ci": None, "failures": None}
         ci = [round(v, 3) for v in self.wilson()]
-        return {"success_rate": self.success_rate, "success_ci": ci, "failures": self.failures()}
+        fields = {"success_rate": self.success_rate, "success_ci": ci, "failures": self.failures()}
+        if any(self.kinds):
+            fields["by_kind"] = self.by_kind()
+        return fields
+
+    def by_kind(self) -> dict[str, dict[str, Any]]:
+        """Per episode kind (``info["dialogue_kind"]``): episodes, success rate, its Wilson interval and the
+        failure map; {} where the env reports no kinds."""
+        out = {}
+        for kind in sorted({k for k in self.kinds if k}):
+            idx = [i for i, k in enumerate(self.kinds) if k == kind]
+            ok = [self.successes[i] for i in idx]
+            out[kind] = {
+                "episodes": len(idx),
+                "success_rate": round(float(np.mean(ok)), 4),
+                "success_ci": [round(v, 3) for v in wilson_interval(sum(ok), len(ok))],
+                "failures": failure_counts(ok, [self.outcomes[i] for i in idx]),
+            }
+        return out
 
     def failures(self) -> dict[str, int]:
         """Failed episodes per reason, most frequent first (the failure map)."""
@@ -230,6 +251,7 @@ class EpisodeRecord:
         self.outcomes: list[str] = []
         self.grasp_miss: list[float] = []
         self.lost_grip: list[str] = []
+        self.kinds: list[str] = []
         self.env_steps = 0
         self.reports_success = False
 
@@ -239,6 +261,7 @@ class EpisodeRecord:
         self.ret, self.succ = np.zeros(n), np.zeros(n, dtype=bool)
         self.outcome, self.miss = np.full(n, FAILED, dtype=object), np.full(n, np.nan)
         self.lost = np.full(n, "", dtype=object)
+        self.kind = np.full(n, "", dtype=object)
 
     @property
     def wave_done(self) -> bool:
@@ -259,6 +282,7 @@ class EpisodeRecord:
             self.outcome[ended] = step_info(info, "outcome", n, FAILED).astype(object)[ended]
             self.miss[ended] = step_info(info, "grasp_miss", n, np.nan).astype(float)[ended]
             self.lost[ended] = step_info(info, "lost_grip", n, "").astype(object)[ended]
+            self.kind[ended] = step_info(info, "dialogue_kind", n, "").astype(object)[ended]
         self.done |= ended
 
     def end(self) -> None:
@@ -270,6 +294,7 @@ class EpisodeRecord:
         self.outcomes += [str(o) for o in outcome]
         self.grasp_miss += self.miss[live].tolist()
         self.lost_grip += [str(v) for v in self.lost[live]]
+        self.kinds += [str(v) for v in self.kind[live]]
 
 
 def evaluate_steps(
@@ -322,6 +347,7 @@ def _result(record: EpisodeRecord) -> EvalResult:
         grasp_miss=record.grasp_miss,
         lost_grip=record.lost_grip,
         returns=record.returns,
+        kinds=record.kinds,
         reports_success=record.reports_success,
     )
 

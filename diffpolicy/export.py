@@ -137,6 +137,11 @@ class SamplerGraph(nn.Module):
         enc = policy.obs_encoder
         self.tensor_keys = [k for k in obs_shapes if k in enc.acting_keys]
         self.use_text = bool(enc.use_text)
+        if enc.text_memory:
+            raise ValueError(
+                "ONNX export takes one sentence embedding; this policy reads a dialogue through an instruction "
+                f"memory (policy.encoder.text_memory={enc.text_memory}): serve it with python -m diffpolicy.serve"
+            )
         self.deterministic = deterministic
         self.output_cond = output_cond
         sched = policy.schedule

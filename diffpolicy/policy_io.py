@@ -46,7 +46,10 @@ them behaved: such a checkpoint gets this value, and at this value the field sta
 POLICY_FIELDS_MOVED = ("ft_steps", "ft_fraction", "min_std", "eta")
 """PolicyConfig fields that moved to the sampling learner's config (``algo.*``, :class:`SamplingConfig`): a
 checkpoint written before records them in ``config["policy"]``; they are read from there as its sampling."""
-ENCODER_FIELDS_ADDED = ("blank_text", "fusion", "predict_positions", "position_noise", "position_head")
+ENCODER_FIELDS_ADDED = (
+    "blank_text", "fusion", "predict_positions", "position_noise", "position_head", "text_memory",
+    "text_memory_turns",
+)  # fmt: skip
 """EncoderConfig fields newer than some checkpoints, treated as :data:`POLICY_FIELDS_ADDED` are."""
 
 

@@ -410,6 +410,7 @@ def summarize(
         if goal
         else None,
         "drops": after.drops(),  # the fine-tuned policy's drops by how the grasp was lost
+        "by_kind": after.by_kind() or None,  # MujocoDialogue: the test figure per episode kind
         "learner": cfg.algo.learner,
         # the chain learner's measured exploration (algo.explore_tolerance: scale and curve), else None
         "exploration": getattr(learner, "exploration", None),

@@ -81,7 +81,8 @@ def test_object_correction_changes_the_object_only():
     assert COLORS[first_target] in first and PLACES[place] in first
     # the place was said before only
     assert COLORS[info["target_id"]] in said and not any(p in said for p in PLACES)
-    np.testing.assert_allclose(info["target_pos"], u.cube_pos(info["target_id"]))
+    np.testing.assert_allclose(info["target_pos"], np.r_[u.cube_pos(info["target_id"]), u.tray_pos])
+    assert _make(label="object").reset(seed=0)[1]["target_pos"].shape == (3,)
 
 
 def test_place_correction_changes_the_place_only():
@@ -94,6 +95,7 @@ def test_place_correction_changes_the_place_only():
     assert info["dialogue_kind"] == "place" and info["target_id"] == target
     assert info["place_id"] == 1 - first_place
     np.testing.assert_allclose(u.tray_pos, u.place_positions[info["place_id"]])
+    np.testing.assert_allclose(info["target_pos"][3:], u.tray_pos)  # the label follows the place
     said = u.instruction.split(TURN_SEP)[-1]
     assert PLACES[info["place_id"]] in said and not any(c in said for c in COLORS)
 
@@ -214,6 +216,7 @@ def test_expert_follows_the_latest_meaning(kind):
         ({"phrasings": "test"}, "phrasings"),
         ({"dialogue_view": "last"}, "dialogue_view"),
         ({"target_color": "red"}, "target_color"),
+        ({"label": "goal"}, "label"),
     ],
 )
 def test_bad_arguments_fail_in_one_line(kwargs, match):

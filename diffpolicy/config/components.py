@@ -19,7 +19,8 @@ class EnvConfig:
     """Which environment to train on and how to run it."""
 
     name: str = "mujoco_pick"
-    """Config-group entry: mujoco_pick | obstacle_reach | hopper / walker2d (Gymnasium's Hopper-v5 /
+    """Config-group entry: mujoco_pick | mujoco_dialogue (the pick scene with two trays and an instruction
+    corrected mid-episode) | obstacle_reach | hopper / walker2d (Gymnasium's Hopper-v5 /
     Walker2d-v5, demonstrated by a medium-quality PPO actor) | metaworld (any of Meta-World's 50 v3 tasks, ``env.task``) | gym."""
     task: str = ""
     """env=metaworld: the v3 task (``stick-pull`` or ``stick-pull-v3``; the 50 names are
@@ -53,7 +54,9 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         _choice(
-            "env.name", self.name, ("mujoco_pick", "obstacle_reach", "hopper", "walker2d", "metaworld", "gym")
+            "env.name",
+            self.name,
+            ("mujoco_pick", "mujoco_dialogue", "obstacle_reach", "hopper", "walker2d", "metaworld", "gym"),
         )
         if self.name == "metaworld":
             from diffpolicy_envs.meta_world import TASKS, task_name
@@ -126,6 +129,13 @@ class EncoderConfig:
     """The instruction FiLM-modulates the RGB encoder's and the point encoder's features (language-conditioned
     perception), so their keypoints can follow the object it names; without it the text only attends to the
     fused tokens."""
+    text_memory: int = 0
+    """The instruction as a dialogue (env=mujoco_dialogue: utterances separated by a newline): k > 0 pools its
+    utterances, each embedded once with its recency, into k memory tokens
+    (:class:`~diffpolicy.encoders.memory.InstructionMemory`) that take the one sentence's place in the FiLM and
+    the fusion; 0 embeds the whole instruction as one sentence."""
+    text_memory_turns: int = 8
+    """Utterances the memory reads, the latest ones."""
     predict_positions: int | None = None
     """Predict-then-act: with k > 0 the encoder predicts k xyz positions (the demonstrations' ``target_pos``
     label: Meta-World's ``env.kwargs.label=both`` gives the object's and the goal's, k = 2) from the fused
@@ -155,6 +165,8 @@ class EncoderConfig:
             raise ValueError("policy.encoder.point_channels is empty; give at least one MLP width")
         _positive("policy.encoder.point_keypoints", self.point_keypoints, allow_zero=True)
         _choice("policy.encoder.fusion", self.fusion, ("attention", "concat"))
+        _positive("policy.encoder.text_memory", self.text_memory, allow_zero=True)
+        _positive("policy.encoder.text_memory_turns", self.text_memory_turns)
         if len(self.workspace_low) != 3 or len(self.workspace_high) != 3:
             raise ValueError("policy.encoder.workspace_low/high must each have 3 values (x, y, z in m)")
         if any(lo >= hi for lo, hi in zip(self.workspace_low, self.workspace_high)):

@@ -23,6 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from diffpolicy.config import EncoderConfig
+from diffpolicy.encoders.attention import AttentionBlock
+from diffpolicy.encoders.memory import InstructionMemory
 from diffpolicy.encoders.pointcloud import PointCloudEncoder, attend_points
 from diffpolicy.encoders.rgb import RGBEncoder
 from diffpolicy.encoders.text import TextEncoder
@@ -47,42 +49,6 @@ class StateEncoder(nn.Module):
 
     def forward(self, state: torch.Tensor) -> torch.Tensor:
         return self.net(state).unsqueeze(1)
-
-
-class Attention(nn.Module):
-    """Multi-head attention with separate query / key-value inputs: (B, Lq, D), (B, Lk, D) -> (B, Lq, D)."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q = nn.Linear(dim, dim)
-        self.kv = nn.Linear(dim, 2 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        B, Lq, D = q.shape
-        h = self.heads
-        qh = self.q(q).view(B, Lq, h, D // h).transpose(1, 2)  # (B, h, Lq, D/h)
-        k, v = self.kv(kv).view(B, kv.shape[1], 2, h, D // h).permute(2, 0, 3, 1, 4)  # 2 x (B, h, Lk, D/h)
-        o = F.scaled_dot_product_attention(qh, k, v)  # (B, h, Lq, D/h)
-        return self.out(o.transpose(1, 2).reshape(B, Lq, D))
-
-
-class AttentionBlock(nn.Module):
-    """Pre-norm transformer block; self-attention when ``kv`` is None, else cross-attention to ``kv``."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.norm_q = nn.LayerNorm(dim)
-        self.norm_kv = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
-        self.norm_mlp = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor, kv: torch.Tensor | None = None) -> torch.Tensor:
-        q = self.norm_q(x)
-        x = x + self.attn(q, q if kv is None else self.norm_kv(kv))
-        return x + self.mlp(self.norm_mlp(x))
 
 
 POSITION_HIDDEN = 256
@@ -195,6 +161,8 @@ class ObservationEncoder(nn.Module):
         self.modalities: list[str] = []
         self.encoders = nn.ModuleDict()
         self.use_text = "instruction" in obs_spec and cfg.use_text
+        self.text_memory = cfg.text_memory if self.use_text else 0
+        """k > 0: the instruction is a dialogue read through an :class:`InstructionMemory` of k tokens."""
         self.blank_text = cfg.blank_text
         """Every instruction is read as '' (the text ablation)."""
         film = self.use_text and cfg.text_film
@@ -218,7 +186,16 @@ class ObservationEncoder(nn.Module):
             if cfg.use_state:
                 self.encoders["state"] = StateEncoder(self.state_dim, cfg.state_hidden, D)
         if self.use_text:
-            self.text = TextEncoder(D, backend=text_backend)
+            self.text_tokens = cfg.text_memory or 1
+            """Tokens the instruction gives: 1 sentence, or the k tokens of the dialogue's memory."""
+            if cfg.text_memory:
+                self.text = InstructionMemory(
+                    D, cfg.text_memory, cfg.text_memory_turns, cfg.fusion_heads, backend=text_backend
+                )
+                self.memory_vector = nn.Linear(cfg.text_memory * D, D)
+                """The memory as one vector (B, D) where the sentence's is read: FiLM, the condition."""
+            else:
+                self.text = TextEncoder(D, backend=text_backend)
             if cfg.fusion == "attention":
                 self.cross = AttentionBlock(D, cfg.fusion_heads)
         if not self.encoders and not self.use_text:
@@ -243,7 +220,8 @@ class ObservationEncoder(nn.Module):
         self.n_tokens = int(attention) + n_obs_steps * sum(
             getattr(self.encoders[k], "n_tokens", 1) for k in self.modalities
         )
-        out_in = self.n_tokens * D + (D if self.use_text else 0)
+        text_in = 0 if not self.use_text else D * (self.text_tokens if attention else 1)
+        out_in = self.n_tokens * D + text_in
         self.head = nn.Linear(out_in, cond_dim)
         self.position_points = cfg.predict_positions
         """Predict-then-act (``policy.encoder.predict_positions``): positions predicted from the fused
@@ -353,7 +331,7 @@ class ObservationEncoder(nn.Module):
         if "points" not in obs:
             raise KeyError("observation lacks ['points'] that this policy reads its positions from")
         cloud = self._history("points", obs["points"], obs["points"].shape[0])[:, -1]  # (B, N, 3|6): latest
-        text = q[:, 0] if q is not None and "points" in self.filmed else None
+        text = self._text_vector(q) if q is not None and "points" in self.filmed else None
         h, xyz = self.encoders["points"].point_features(cloud, text)
         return h, xyz, text
 
@@ -368,11 +346,11 @@ class ObservationEncoder(nn.Module):
             parts.append(self.state_normalizer.normalize(state.float()).flatten(1))
         parts.append(self.position_normalizer.normalize(positions.to(self.head.weight.device).float()))
         if q is not None:
-            parts.append(q[:, 0].float())
+            parts.append(self._text_vector(q).float())
         return self.act_head(torch.cat(parts, dim=-1))
 
     def _text(self, obs: Mapping[str, Any]) -> torch.Tensor | None:
-        """The instruction's embedding (B, 1, D), or None without text."""
+        """The instruction's tokens (B, k, D) (k = 1: the sentence; else the dialogue's memory), or None."""
         if not self.use_text:
             return None
         if "instruction" not in obs:
@@ -381,7 +359,12 @@ class ObservationEncoder(nn.Module):
         instr = [str(s) for s in (instr.tolist() if isinstance(instr, np.ndarray) else instr)]
         if self.blank_text:
             instr = [""] * len(instr)
-        return self.text(instr)  # (B, 1, D)
+        return self.text(instr)  # (B, k, D)
+
+    def _text_vector(self, q: torch.Tensor) -> torch.Tensor:
+        """The instruction's tokens (B, k, D) as one vector (B, D): the sentence's token, or the memory's
+        tokens through :attr:`memory_vector`."""
+        return self.memory_vector(q.flatten(1)) if self.text_memory else q[:, 0]
 
     def _history(self, k: str, value: Any, B: int) -> torch.Tensor:
         """obs[k] as (B, n_obs_steps, ...): a missing To axis read as To = 1, a short history padded by
@@ -410,11 +393,12 @@ class ObservationEncoder(nn.Module):
         cond_dim): the condition itself, or what predict-then-act reads the positions from."""
         B = self._batch(obs)
         tokens = []
+        q_vec = None if q is None else self._text_vector(q)  # (B, D)
         for k in self.modalities:
             x = self._history(k, obs[k], B)  # (B, To, ...)
             To = x.shape[1]
             flat = x.reshape(B * To, *x.shape[2:])  # (B To, ...)
-            text = q[:, 0].repeat_interleave(To, dim=0) if k in self.filmed else None  # (B To, D)
+            text = q_vec.repeat_interleave(To, dim=0) if k in self.filmed else None  # (B To, D)
             if k == "state":
                 t = self._ckpt(self.encoders[k], self.state_normalizer.normalize(flat.float()))
             elif k == "rgb":
@@ -438,8 +422,8 @@ class ObservationEncoder(nn.Module):
         out = seq.flatten(1)  # (B, n_tokens D): the readout (attention) and every modality token
         if q is not None:
             if self.readout is None:  # concat: the instruction's vector itself
-                text = q[:, 0].to(out.dtype)
+                text = q_vec.to(out.dtype)
             else:  # attention: the instruction attends to the fused tokens
-                text = self._ckpt(self.cross, q.to(seq.dtype), seq)[:, 0]
+                text = self._ckpt(self.cross, q.to(seq.dtype), seq).flatten(1)  # (B, k D)
             out = torch.cat([out, text], dim=-1)
         return self.head(out)

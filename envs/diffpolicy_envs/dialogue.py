@@ -26,7 +26,9 @@ current place's centre), so it follows corrections without language.
 corrections spoken so far: ``none`` until one is), ``correction_step`` (the step the correction is spoken on,
 -1 for none), ``corrected_holding`` (whether the gripper held a cube when it was spoken) and ``turns``; its
 ``outcome`` adds ``wrong_place``: the object meant rests in the other tray. ``target_id`` / ``target_pos``
-follow the meaning of the moment: training labels and the failure map only, never observed.
+follow the meaning of the moment: training labels and the failure map only, never observed. With
+``label="both"`` (default) ``target_pos`` is (6,): the object's centre, then the place's (BC's auxiliary
+label locates both slots); ``label="object"`` gives MujocoPick's (3,).
 
 Phrasings: each kind of utterance has training phrasings and held-out ones; ``phrasings="train"`` (default)
 draws from the first, ``"heldout"`` from the second only (report test episodes with them).
@@ -107,6 +109,7 @@ PLACE_CORRECTION = {
     ),
 }
 PHRASINGS = ("train", "heldout")
+LABELS = ("both", "object")
 DIALOGUE_VIEWS = ("full", "latest")
 
 
@@ -118,6 +121,8 @@ class MujocoDialogueEnv(MujocoPickEnv):
         correction_steps: (first, last) step, inclusive, after which a correction may be spoken.
         phrasings: "train" or "heldout": which phrasings the utterances use.
         dialogue_view: "full" (every utterance so far) or "latest" (the last one only).
+        label: what ``info["target_pos"]`` holds: "both" (the object's and the place's centre, (6,)) or
+            "object" ((3,)).
         **kwargs: :class:`~diffpolicy_envs.mujoco_pick.MujocoPickEnv`'s (``target_color`` is not taken).
     """
 
@@ -129,6 +134,7 @@ class MujocoDialogueEnv(MujocoPickEnv):
         correction_steps: tuple[int, int] | list[int] = (6, 40),
         phrasings: str = "train",
         dialogue_view: str = "full",
+        label: str = "both",
         **kwargs: Any,
     ) -> None:
         kinds = tuple(kinds)
@@ -144,12 +150,15 @@ class MujocoDialogueEnv(MujocoPickEnv):
             raise ValueError(f"phrasings must be one of {PHRASINGS}, got {phrasings!r}")
         if dialogue_view not in DIALOGUE_VIEWS:
             raise ValueError(f"dialogue_view must be one of {DIALOGUE_VIEWS}, got {dialogue_view!r}")
+        if label not in LABELS:
+            raise ValueError(f"label must be one of {LABELS}, got {label!r}")
         if kwargs.get("target_color") is not None:
             raise ValueError("MujocoDialogue draws its target from the dialogue; target_color is not taken")
         self.kinds = kinds
         self.correction_steps = (lo, hi)
         self.phrasings = phrasings
         self.dialogue_view = dialogue_view
+        self.label = label
         self.place_id = 0
         self.turns: list[str] = []
         self.kind = "none"
@@ -254,6 +263,8 @@ class MujocoDialogueEnv(MujocoPickEnv):
             self.set_place(self.model.body_pos[self.tray_bodies[new]])
 
     def _dialogue_info(self, info: dict[str, Any]) -> dict[str, Any]:
+        if self.label == "both":
+            info["target_pos"] = np.concatenate([info["target_pos"], self.tray_pos]).astype(np.float64)
         info.update(
             place_id=self.place_id,
             place_color=PLACES[self.place_id],

@@ -1,0 +1,81 @@
+"""Instruction memory: a dialogue of utterances pooled into k tokens of fixed width, whatever its length.
+
+A dialogue is one string whose utterances are separated by :data:`TURN_SEP` (the format of
+``MujocoDialogue-v0``'s ``instruction``: "put the red cube in the purple tray\\nno, the blue one"). Each
+utterance goes through the frozen sentence encoder once (the :class:`~diffpolicy.encoders.text.TextEncoder`'s
+cache) and its trainable projection, gets a learned embedding of its recency (0 the latest utterance, 1 the one
+before, ...; utterances older than ``max_turns`` are dropped), and k learned queries attend over the turns (one
+pre-norm cross-attention block, masked to the dialogue's own turns). A correction therefore reaches the
+condition as "the latest turn", and the slot it leaves unsaid stays readable from the turn before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffpolicy.encoders.attention import AttentionBlock
+from diffpolicy.encoders.text import EMBED_DIM, TextEncoder
+
+TURN_SEP = "\n"
+"""Separator of the utterances in a dialogue string (``diffpolicy_envs.dialogue.TURN_SEP``)."""
+
+
+def split_turns(dialogue: str, max_turns: int) -> list[str]:
+    """The dialogue's last ``max_turns`` utterances, oldest first."""
+    return dialogue.split(TURN_SEP)[-max_turns:]
+
+
+class InstructionMemory(nn.Module):
+    """Dialogues (list of B strings) -> memory tokens (B, k, token_dim); see the module docstring.
+
+    Args:
+        token_dim: D, the width of the tokens.
+        k: memory tokens (learned queries).
+        max_turns: utterances read, the latest ones (the recency embeddings' count).
+        heads: attention heads of the pooling block.
+        backend: the frozen sentence encoder (``minilm`` or ``hash``, :mod:`diffpolicy.encoders.text`).
+    """
+
+    def __init__(self, token_dim: int, k: int, max_turns: int = 8, heads: int = 4, backend: str = "minilm"):
+        super().__init__()
+        if k < 1 or max_turns < 1:
+            raise ValueError(
+                f"an instruction memory needs k >= 1 tokens and max_turns >= 1, got {k}, {max_turns}"
+            )
+        self.k, self.max_turns = k, max_turns
+        self.text = TextEncoder(token_dim, backend=backend)
+        self.recency = nn.Parameter(torch.randn(max_turns, token_dim) * 0.02)
+        self.queries = nn.Parameter(torch.randn(k, token_dim) * 0.02)
+        self.pool = AttentionBlock(token_dim, heads)
+        self._frozen: dict[
+            str, torch.Tensor
+        ] = {}  # dialogue -> (T, 384) frozen embeddings, latest turn first
+
+    def turn_embeddings(self, dialogues: list[str] | tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Frozen embeddings of every turn, latest first, (B, T, 384), and which slots hold a turn (B, T) bool;
+        T = the most turns a dialogue of the batch has (<= ``max_turns``)."""
+        unique = list(dict.fromkeys(dialogues))
+        for d in unique:
+            if d not in self._frozen:
+                self._frozen[d] = self.text.embed(split_turns(d, self.max_turns)[::-1]).cpu()
+        T = max(len(self._frozen[d]) for d in unique)
+        emb = torch.zeros(len(unique), T, EMBED_DIM)
+        mask = torch.zeros(len(unique), T, dtype=torch.bool)
+        for i, d in enumerate(unique):
+            e = self._frozen[d]
+            emb[i, : len(e)] = e
+            mask[i, : len(e)] = True
+        if len(unique) < len(dialogues):  # repeated dialogues: gather the unique rows back into the batch
+            row = {d: i for i, d in enumerate(unique)}
+            index = torch.tensor([row[d] for d in dialogues])
+            emb, mask = emb[index], mask[index]
+        return emb, mask
+
+    def forward(self, dialogues: list[str] | tuple[str, ...]) -> torch.Tensor:
+        emb, mask = self.turn_embeddings(dialogues)
+        device, dtype = self.queries.device, self.text.proj.weight.dtype
+        emb, mask = emb.to(device, dtype), mask.to(device)
+        tokens = self.text.proj(emb) + self.recency[: emb.shape[1]]  # (B, T, D)
+        queries = self.queries.expand(len(dialogues), -1, -1)  # (B, k, D)
+        return self.pool(queries, tokens, mask)  # (B, k, D)
