@@ -44,7 +44,15 @@ CONFIGS = [
     ("MetaWorld-v0", {"task": "pick-place", "image_size": 48, "n_points": 128}),  # the metaworld extra (dev)
     ("MetaWorld-v0", {"task": "pick-place", "obs_mode": "state"}),
 ]
-CONFIG_IDS = ["pick-multimodal", "pick-state", "dialogue-multimodal", "dialogue-state", "obstacle-reach", "metaworld-multimodal", "metaworld-state"]
+CONFIG_IDS = [
+    "pick-multimodal",
+    "pick-state",
+    "dialogue-multimodal",
+    "dialogue-state",
+    "obstacle-reach",
+    "metaworld-multimodal",
+    "metaworld-state",
+]
 
 
 def _make(env_id: str, **kwargs) -> gym.Env:
