@@ -14,6 +14,13 @@ every step's observation with the episode's session id and execute the one actio
 
         action = client.act(obs, session=f"{robot}/{episode}")[0]  # (Da,)
 
+A server of a policy that reads a dialogue (``health()["dialogue"]``) keeps each session's utterances: send the
+session id with every request, and ``instruction`` only when something new is said::
+
+        chunk = client.act({**obs, "instruction": "put the red cube in the yellow tray"}, session=episode)
+        chunk = client.act(obs, session=episode)  # nothing new said: the same dialogue
+        chunk = client.act({**obs, "instruction": "no, not the red one, the blue one"}, session=episode)
+
 Arrays are cast to the dtype the server's spec asks for (fetched once with ``Health``); strings are sent
 as text. Errors are ``grpc.RpcError``: ``code()`` is INVALID_ARGUMENT for a malformed observation (the
 message names the modality), UNAVAILABLE when the server is down or shutting down.
@@ -57,7 +64,8 @@ class PolicyClient:
 
     def health(self) -> dict[str, Any]:
         """Status (``SERVING`` / ``NOT_SERVING``), spec, action shape (Ta, Da), max_batch, requests served
-        and ``per_step`` (True: the server answers one action per control step of a session)."""
+        ``per_step`` (True: the server answers one action per control step of a session) and ``dialogue``
+        (True: the server keeps each session's utterances; send ``instruction`` only when one is said)."""
         resp = self._stub.Health(pb.HealthRequest(), timeout=self.timeout_s)
         self._spec = spec_from_pb(resp.modalities)
         return {
@@ -67,6 +75,7 @@ class PolicyClient:
             "max_batch": resp.max_batch,
             "served": resp.served,
             "per_step": resp.per_step,
+            "dialogue": resp.dialogue,
         }
 
     @property

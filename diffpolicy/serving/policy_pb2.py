@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64iffpolicy/serving/policy.proto\x12\x12\x64iffpolicy.serving\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x92\x02\n\x0bObservation\x12=\n\x07tensors\x18\x01 \x03(\x0b\x32,.diffpolicy.serving.Observation.TensorsEntry\x12\x39\n\x05texts\x18\x02 \x03(\x0b\x32*.diffpolicy.serving.Observation.TextsEntry\x12\x0f\n\x07session\x18\x03 \x01(\t\x1aJ\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.diffpolicy.serving.Tensor:\x02\x38\x01\x1a,\n\nTextsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"t\n\x0b\x41\x63tionChunk\x12+\n\x07\x61\x63tions\x18\x01 \x01(\x0b\x32\x1a.diffpolicy.serving.Tensor\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\"6\n\x08Modality\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x0f\n\rHealthRequest\"\xfd\x01\n\x0eHealthResponse\x12\x39\n\x06status\x18\x01 \x01(\x0e\x32).diffpolicy.serving.HealthResponse.Status\x12\x30\n\nmodalities\x18\x02 \x03(\x0b\x32\x1c.diffpolicy.serving.Modality\x12\x14\n\x0c\x61\x63tion_shape\x18\x03 \x03(\x03\x12\x11\n\tmax_batch\x18\x04 \x01(\x05\x12\x0e\n\x06served\x18\x05 \x01(\x03\x12\x10\n\x08per_step\x18\x06 \x01(\x08\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\xa2\x01\n\x06Policy\x12G\n\x03\x41\x63t\x12\x1f.diffpolicy.serving.Observation\x1a\x1f.diffpolicy.serving.ActionChunk\x12O\n\x06Health\x12!.diffpolicy.serving.HealthRequest\x1a\".diffpolicy.serving.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64iffpolicy/serving/policy.proto\x12\x12\x64iffpolicy.serving\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x92\x02\n\x0bObservation\x12=\n\x07tensors\x18\x01 \x03(\x0b\x32,.diffpolicy.serving.Observation.TensorsEntry\x12\x39\n\x05texts\x18\x02 \x03(\x0b\x32*.diffpolicy.serving.Observation.TextsEntry\x12\x0f\n\x07session\x18\x03 \x01(\t\x1aJ\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.diffpolicy.serving.Tensor:\x02\x38\x01\x1a,\n\nTextsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"t\n\x0b\x41\x63tionChunk\x12+\n\x07\x61\x63tions\x18\x01 \x01(\x0b\x32\x1a.diffpolicy.serving.Tensor\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\"6\n\x08Modality\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x0f\n\rHealthRequest\"\x8f\x02\n\x0eHealthResponse\x12\x39\n\x06status\x18\x01 \x01(\x0e\x32).diffpolicy.serving.HealthResponse.Status\x12\x30\n\nmodalities\x18\x02 \x03(\x0b\x32\x1c.diffpolicy.serving.Modality\x12\x14\n\x0c\x61\x63tion_shape\x18\x03 \x03(\x03\x12\x11\n\tmax_batch\x18\x04 \x01(\x05\x12\x0e\n\x06served\x18\x05 \x01(\x03\x12\x10\n\x08per_step\x18\x06 \x01(\x08\x12\x10\n\x08\x64ialogue\x18\x07 \x01(\x08\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\xa2\x01\n\x06Policy\x12G\n\x03\x41\x63t\x12\x1f.diffpolicy.serving.Observation\x1a\x1f.diffpolicy.serving.ActionChunk\x12O\n\x06Health\x12!.diffpolicy.serving.HealthRequest\x1a\".diffpolicy.serving.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,9 +50,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREQUEST']._serialized_start=560
   _globals['_HEALTHREQUEST']._serialized_end=575
   _globals['_HEALTHRESPONSE']._serialized_start=578
-  _globals['_HEALTHRESPONSE']._serialized_end=831
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=780
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=831
-  _globals['_POLICY']._serialized_start=834
-  _globals['_POLICY']._serialized_end=996
+  _globals['_HEALTHRESPONSE']._serialized_end=849
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=798
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=849
+  _globals['_POLICY']._serialized_start=852
+  _globals['_POLICY']._serialized_end=1014
 # @@protoc_insertion_point(module_scope)

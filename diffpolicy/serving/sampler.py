@@ -64,6 +64,9 @@ class PolicySampler:
         self.obs_spec: ObsSpec = obs_spec_from_shapes(obs_shapes, policy.n_obs_steps)
         self.action_shape = (int(policy.horizon), int(policy.action_dim))
         self.generator = torch.Generator(device=self.runtime.device).manual_seed(seed)
+        self.dialogue = bool(getattr(getattr(policy, "obs_encoder", None), "text_memory", 0))
+        """The policy reads a dialogue (an instruction memory): the server keeps each session's utterances and
+        passes the whole dialogue as ``instruction`` (:class:`~diffpolicy.serving.dialogue.Dialogues`)."""
 
     def to_torch(self, obs_batch: dict[str, np.ndarray | list[str]]) -> dict[str, Any]:
         """Numpy batch -> the policy's observation dict on its device (texts stay a list of B strings)."""

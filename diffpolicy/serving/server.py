@@ -18,6 +18,11 @@ A per-step sampler (``per_step = True``: a base + residual policy, whose head co
 with that step's state, so a chunk per request could not apply it) answers each request with one action
 (1, Da) of the request's ``Observation.session``; a request without a session gets INVALID_ARGUMENT, and
 ``Health.per_step`` tells clients which kind they talk to.
+
+A sampler of a policy that reads a dialogue (``dialogue = True``: an instruction memory) gets, as its
+``instruction``, the whole dialogue of the request's session (:class:`~diffpolicy.serving.dialogue.Dialogues`):
+a request carries ``texts["instruction"]`` only when something new is said, and needs ``Observation.session``;
+``Health.dialogue`` says so.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 from diffpolicy.serving import policy_pb2 as pb
 from diffpolicy.serving import policy_pb2_grpc as pb_grpc
 from diffpolicy.serving.batching import BatchingWorker, Sampler
+from diffpolicy.serving.dialogue import Dialogues
 from diffpolicy.serving.wire import (
     MAX_TEXT_CHARS,
     InvalidObservation,
@@ -98,8 +104,11 @@ class _Servicer(pb_grpc.PolicyServicer):
         srv = self.server
         if not srv.serving:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the policy server is shutting down")
+        dialogue = getattr(srv.sampler, "dialogue", False)
         try:
-            obs = decode_observation(request, srv.sampler.obs_spec)
+            obs = decode_observation(request, srv.sampler.obs_spec, ("instruction",) if dialogue else ())
+            if dialogue:  # what the session has heard so far, with what this request says
+                obs["instruction"] = srv.dialogues.hear(request.session, obs.get("instruction"))
         except InvalidObservation as exc:
             srv.count("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -144,6 +153,7 @@ class _Servicer(pb_grpc.PolicyServicer):
             max_batch=srv.worker.max_batch,
             served=srv.worker.served,
             per_step=bool(getattr(srv.sampler, "per_step", False)),
+            dialogue=bool(getattr(srv.sampler, "dialogue", False)),
         )
 
 
@@ -191,6 +201,8 @@ class PolicyServer:
         self.worker: BatchingWorker | None = None
         self.warmup: dict[str, float] = {}
         self.counters = {"invalid": 0, "failed": 0}
+        self.dialogues = Dialogues()
+        """Each session's utterances, for a sampler whose policy reads a dialogue."""
         self._counter_lock = threading.Lock()
         self._grpc: grpc.Server | None = None
         self._serving = False

@@ -129,11 +129,15 @@ def encode_observation(obs: Mapping[str, Any], spec: ObsSpec | None = None) -> p
     return msg
 
 
-def decode_observation(msg: pb.Observation, spec: ObsSpec) -> dict[str, np.ndarray | str]:
+def decode_observation(
+    msg: pb.Observation, spec: ObsSpec, optional_texts: tuple[str, ...] = ()
+) -> dict[str, np.ndarray | str]:
     """Validate one request against ``spec``; raise InvalidObservation naming the first problem.
 
     Checks: every modality present (text in ``texts``, tensors in ``tensors``), no unknown modality, exact
-    shape and dtype, finite floats, text non-empty and at most MAX_TEXT_CHARS characters.
+    shape and dtype, finite floats, text non-empty and at most MAX_TEXT_CHARS characters. A text named in
+    ``optional_texts`` may be left out (a dialogue server's ``instruction``: only what is newly said); it is
+    then absent from the result.
     """
     out: dict[str, np.ndarray | str] = {}
     unknown = sorted((set(msg.tensors) | set(msg.texts)) - set(spec))
@@ -142,6 +146,8 @@ def decode_observation(msg: pb.Observation, spec: ObsSpec) -> dict[str, np.ndarr
     for name, m in spec.items():
         if m.is_text:
             if name not in msg.texts:
+                if name in optional_texts:
+                    continue
                 raise InvalidObservation(f"missing text modality '{name}'")
             text = msg.texts[name]
             if not text.strip() or len(text) > MAX_TEXT_CHARS:
