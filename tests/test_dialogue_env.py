@@ -222,3 +222,16 @@ def test_expert_follows_the_latest_meaning(kind):
 def test_bad_arguments_fail_in_one_line(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MujocoDialogueEnv(obs_mode="state", **kwargs)
+
+
+def test_video_frames_caption_the_dialogue_at_one_size():
+    env = gym.make(
+        "diffpolicy_envs:MujocoDialogue-v0", obs_mode="state", render_mode="rgb_array", render_size=96,
+        kinds=["place"], correction_steps=(1, 1),
+    )  # fmt: skip
+    env.reset(seed=0)
+    before = env.render()
+    env.step(np.zeros(7, np.float32))
+    after = env.render()
+    assert before.shape == after.shape and before.shape[0] > 96 and before.dtype == np.uint8
+    assert not np.array_equal(before[96:], after[96:])  # the correction is captioned

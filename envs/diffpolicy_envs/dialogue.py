@@ -63,6 +63,8 @@ DIALOGUE_OUTCOMES = (*OUTCOMES, "wrong_place")
 """Values of ``info["outcome"]``: MujocoPick's and ``wrong_place``."""
 TURN_SEP = "\n"
 """Separator of the utterances in the ``instruction`` observation."""
+CAPTION_LINES = 3
+"""Utterances captioned under a video frame (the latest ones)."""
 DIALOGUE_CHARSET = CHARSET + "," + TURN_SEP
 TRAY_Y_SIDE = (0.27, 0.31)
 """Range (m) of |y| of a tray's centre: one tray on each side of the table."""
@@ -226,6 +228,26 @@ class MujocoDialogueEnv(MujocoPickEnv):
 
     def _view(self) -> str:
         return TURN_SEP.join(self.turns) if self.dialogue_view == "full" else self.turns[-1]
+
+    def render(self) -> np.ndarray | None:
+        """MujocoPick's video frame with the dialogue so far captioned below the scene (the latest utterance
+        last, in yellow), so that a video shows when a correction arrived."""
+        frame = super().render()
+        if frame is None:
+            return None
+        from PIL import Image, ImageDraw, ImageFont  # Pillow comes with imageio, a core dependency
+
+        size = max(10, frame.shape[0] // 24)
+        font = ImageFont.load_default(size=size)
+        lines = [f"> {t}" for t in self.turns[-CAPTION_LINES:]]
+        band = (size + 3) * CAPTION_LINES + 6  # the same for every frame: one video, one frame size
+        image = Image.new("RGB", (frame.shape[1], frame.shape[0] + band), (20, 20, 20))
+        image.paste(Image.fromarray(frame), (0, 0))
+        draw = ImageDraw.Draw(image)
+        for i, line in enumerate(lines):
+            colour = (250, 220, 60) if i == len(lines) - 1 else (200, 200, 200)
+            draw.text((4, frame.shape[0] + 3 + i * (size + 3)), line, fill=colour, font=font)
+        return np.asarray(image)
 
     # ------------------------------------------------------------------------------------------ gym API
     def reset(
