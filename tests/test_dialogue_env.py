@@ -217,6 +217,7 @@ def test_expert_follows_the_latest_meaning(kind):
         ({"dialogue_view": "last"}, "dialogue_view"),
         ({"target_color": "red"}, "target_color"),
         ({"label": "goal"}, "label"),
+        ({"task": "sorting"}, "task"),
     ],
 )
 def test_bad_arguments_fail_in_one_line(kwargs, match):
@@ -235,3 +236,62 @@ def test_video_frames_caption_the_dialogue_at_one_size():
     after = env.render()
     assert before.shape == after.shape and before.shape[0] > 96 and before.dtype == np.uint8
     assert not np.array_equal(before[96:], after[96:])  # the correction is captioned
+
+
+def _put(env: gym.Env, cube: int, place_id: int | None) -> dict:
+    """Teleport ``cube`` into tray ``place_id`` (None: onto the table between the trays) and let it settle."""
+    u = env.unwrapped
+    adr, dof = u.cube_qpos_adr[cube], u.cube_dof_adr[cube]
+    if place_id is None:
+        x, y, z = 0.62, 0.0, CUBE_HALF + 0.002
+    else:
+        x, y, _ = u.place_positions[place_id]
+        z = TRAY_FLOOR_Z + CUBE_HALF + 0.002
+    u.data.qpos[adr : adr + 3] = (x, y, z)
+    u.data.qvel[dof : dof + 6] = 0.0
+    for _ in range(10):
+        _, _, terminated, _, info = env.step(np.array([0, 0, 1, 0, 0, 0, -1], np.float32))
+        if terminated:
+            break
+    return {**info, "terminated": terminated}
+
+
+def test_stages_advance_sub_task_by_sub_task():
+    env = _make(task="stages")
+    _, info = env.reset(seed=5)
+    u = env.unwrapped
+    (o1, p1), (o2, p2) = u.stages
+    assert o1 != o2 and p1 != p2 and info["dialogue_kind"] == "stages" and info["stages"] == 2
+    assert COLORS[o1] in u.instruction and COLORS[o2] in u.instruction and TURN_SEP not in u.instruction
+    assert info["stage"] == 0 and info["subtask"] == f"put the {COLORS[o1]} cube in the {PLACES[p1]} tray"
+    info = _put(env, o1, p1)
+    assert info["stage"] == 1 and not info["terminated"] and not info["is_success"]
+    assert (
+        info["target_id"] == o2 and info["subtask"] == f"put the {COLORS[o2]} cube in the {PLACES[p2]} tray"
+    )
+    _put(env, o1, None)  # knocked out of its tray while the second sub-task runs
+    info = _put(env, o2, p2)
+    assert info["stage"] == 0 and not info["terminated"] and info["target_id"] == o1  # undone: current again
+    info = _put(env, o1, p1)
+    assert info["terminated"] and info["is_success"] and info["outcome"] == "success"
+
+
+def test_expert_does_the_stages_in_order():
+    env = _make(task="stages")
+    for seed in range(6):
+        info, length, infos = _run_expert(env, seed)
+        assert info["is_success"] and length <= 170, (seed, info["outcome"], length)
+        stages = [i["stage"] for i in infos]
+        assert stages == sorted(stages) and set(stages) == {0, 1}  # the first sub-task, then the second
+
+
+def test_heldout_stages_phrasing():
+    from diffpolicy_envs.dialogue import STAGES
+
+    env = _make(task="stages", phrasings="heldout")
+    env.reset(seed=0)
+    u = env.unwrapped
+    (o1, p1), (o2, p2) = u.stages
+    fill = dict(o1=COLORS[o1], p1=PLACES[p1], o2=COLORS[o2], p2=PLACES[p2])
+    assert u.instruction in [t.format(**fill) for t in STAGES["heldout"]]
+    assert not set(STAGES["train"]) & set(STAGES["heldout"])

@@ -30,6 +30,16 @@ follow the meaning of the moment: training labels and the failure map only, neve
 ``label="both"`` (default) ``target_pos`` is (6,): the object's centre, then the place's (BC's auxiliary
 label locates both slots); ``label="object"`` gives MujocoPick's (3,).
 
+**Multi-stage tasks** (``task="stages"``): the one utterance names two sub-tasks in order, each a cube into a
+tray, the two trays different ("put the red cube in the yellow tray, then the blue cube in the purple
+tray"). The meaning of the moment is the current sub-task (``target_id``, ``place_id``, ``tray_pos``); when its
+cube rests in its tray the next one begins (the sub-task's success reward is paid, the episode goes on), and the
+episode succeeds when the last one's does with the earlier cubes still in their trays (one knocked out makes
+its sub-task current again). ``info`` adds ``stage`` (index of the current sub-task), ``stages`` and
+``subtask``: the current sub-task as a one-step instruction ("put the blue cube in the purple tray"): the
+label of a high-level selector, and what a low-level policy conditioned on sub-tasks reads. The expert
+follows the current sub-task, so its demonstrations carry these labels; ``dialogue_kind`` is ``stages``.
+
 Phrasings: each kind of utterance has training phrasings and held-out ones; ``phrasings="train"`` (default)
 draws from the first, ``"heldout"`` from the second only (report test episodes with them).
 """
@@ -110,6 +120,17 @@ PLACE_CORRECTION = {
         "make that the {p} tray",
     ),
 }
+STAGES = {
+    "train": (
+        "put the {o1} cube in the {p1} tray, then the {o2} cube in the {p2} tray",
+        "first the {o1} cube into the {p1} tray, then the {o2} cube into the {p2} tray",
+        "sort the cubes, {o1} to the {p1} tray first, then {o2} to the {p2} tray",
+    ),
+    "heldout": ("the {o1} cube goes to the {p1} tray, after that the {o2} cube to the {p2} tray",),
+}
+SUBTASK = FIRST["train"][0]
+"""A sub-task as a one-step instruction (``info["subtask"]``): "put the {o} cube in the {p} tray"."""
+TASKS = ("dialogue", "stages")
 PHRASINGS = ("train", "heldout")
 LABELS = ("both", "object")
 DIALOGUE_VIEWS = ("full", "latest")
@@ -119,7 +140,8 @@ class MujocoDialogueEnv(MujocoPickEnv):
     """MujocoPick with two trays and a corrected instruction; see the module docstring.
 
     Args:
-        kinds: episode kinds to draw from, uniformly (a subset of :data:`KINDS`).
+        task: "dialogue" (one pick, maybe corrected) or "stages" (two sub-tasks in order).
+        kinds: episode kinds to draw from, uniformly (a subset of :data:`KINDS`; task="dialogue" only).
         correction_steps: (first, last) step, inclusive, after which a correction may be spoken.
         phrasings: "train" or "heldout": which phrasings the utterances use.
         dialogue_view: "full" (every utterance so far) or "latest" (the last one only).
@@ -132,6 +154,7 @@ class MujocoDialogueEnv(MujocoPickEnv):
 
     def __init__(
         self,
+        task: str = "dialogue",
         kinds: tuple[str, ...] | list[str] = KINDS,
         correction_steps: tuple[int, int] | list[int] = (6, 40),
         phrasings: str = "train",
@@ -139,6 +162,8 @@ class MujocoDialogueEnv(MujocoPickEnv):
         label: str = "both",
         **kwargs: Any,
     ) -> None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         kinds = tuple(kinds)
         if not kinds or any(k not in KINDS for k in kinds):
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds!r}")
@@ -156,7 +181,11 @@ class MujocoDialogueEnv(MujocoPickEnv):
             raise ValueError(f"label must be one of {LABELS}, got {label!r}")
         if kwargs.get("target_color") is not None:
             raise ValueError("MujocoDialogue draws its target from the dialogue; target_color is not taken")
+        self.task = task
         self.kinds = kinds
+        self.stages: list[tuple[int, int]] = []
+        """task="stages": the (cube, place) of each sub-task, in order."""
+        self.stage = 0
         self.correction_steps = (lo, hi)
         self.phrasings = phrasings
         self.dialogue_view = dialogue_view
@@ -208,12 +237,20 @@ class MujocoDialogueEnv(MujocoPickEnv):
             self.model.body_pos[body] = (rng.uniform(*TRAY_X_RANGE), side * rng.uniform(*TRAY_Y_SIDE), 0.0)
         self.set_place(self.model.body_pos[self.tray_bodies[self.place_id]])
         table = self.phrasings
+        self._pending, self.stage, self.stages = None, 0, []
+        self.kind, self.correction_step, self.corrected_holding = "none", -1, False
+        if self.task == "stages":
+            second = (self.target_id + 1 + int(rng.integers(2))) % 3
+            self.stages = [(self.target_id, self.place_id), (second, 1 - self.place_id)]
+            text = STAGES[table][int(rng.integers(len(STAGES[table])))]
+            (o1, p1), (o2, p2) = self.stages
+            self.turns = [text.format(o1=COLORS[o1], p1=PLACES[p1], o2=COLORS[o2], p2=PLACES[p2])]
+            self.instruction, self.kind = self._view(), "stages"
+            return
         first = FIRST[table][int(rng.integers(len(FIRST[table])))]
         self.turns = [first.format(o=COLORS[self.target_id], p=PLACES[self.place_id])]
         self.instruction = self._view()
         kind = self.kinds[int(rng.integers(len(self.kinds)))]
-        self.kind, self.correction_step, self.corrected_holding = "none", -1, False
-        self._pending = None
         if kind == "object":
             new = (self.target_id + 1 + int(rng.integers(2))) % 3
             text = OBJECT_CORRECTION[table][int(rng.integers(len(OBJECT_CORRECTION[table])))]
@@ -259,6 +296,14 @@ class MujocoDialogueEnv(MujocoPickEnv):
     def step(self, action: np.ndarray) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
         """MujocoPick's step; after it, the correction is spoken if this is its step and the task is not done."""
         obs, reward, terminated, truncated, info = super().step(action)
+        if self.stages and terminated:  # the current sub-task is done: the next one, or one undone again
+            terminated = self._next_stage()
+            if not terminated:
+                info.update(is_success=False, outcome="timed_out", grasp_miss=float("nan"), lost_grip="")
+                cube = self.data.xpos[self.cube_bodies[self.target_id]]
+                info.update(
+                    target_id=self.target_id, target_color=COLORS[self.target_id], target_pos=cube.copy()
+                )
         if self._pending is not None and self.elapsed_steps >= self._speak_at and not terminated:
             self._speak()
             cube = self.data.xpos[self.cube_bodies[self.target_id]]
@@ -284,6 +329,19 @@ class MujocoDialogueEnv(MujocoPickEnv):
             self.place_id = new
             self.set_place(self.model.body_pos[self.tray_bodies[new]])
 
+    def _next_stage(self) -> bool:
+        """After the current sub-task's success: make the first sub-task whose cube is not (or no longer) in its
+        tray current and return False, or return True when every cube rests in its tray."""
+        for i, (cube, place) in enumerate(self.stages):
+            touching = self._contacts_with(int(self.cube_geoms[cube]))
+            if not self._rests_in(cube, self.model.body_pos[self.tray_bodies[place]], touching):
+                self.stage, self.target_id, self.place_id = i, cube, place
+                self.set_place(self.model.body_pos[self.tray_bodies[place]])
+                self._prev_cube = self.data.xpos[self.cube_bodies[cube]].copy()
+                self._reset_outcome()
+                return False
+        return True
+
     def _dialogue_info(self, info: dict[str, Any]) -> dict[str, Any]:
         if self.label == "both":
             info["target_pos"] = np.concatenate([info["target_pos"], self.tray_pos]).astype(np.float64)
@@ -295,6 +353,12 @@ class MujocoDialogueEnv(MujocoPickEnv):
             corrected_holding=self.corrected_holding,
             turns=len(self.turns),
         )
+        if self.stages:
+            info.update(
+                stage=self.stage,
+                stages=len(self.stages),
+                subtask=SUBTASK.format(o=COLORS[self.target_id], p=PLACES[self.place_id]),
+            )
         return info
 
     # ----------------------------------------------------------------------------------------- outcome

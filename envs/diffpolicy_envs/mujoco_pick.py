@@ -808,8 +808,12 @@ class MujocoPickEnv(CameraSchedule, gym.Env):
 
     def _target_in_tray(self, touching: set[int]) -> bool:
         """Whether the target cube rests in the tray, released; ``touching``: the geoms in contact with it."""
-        i = self.target_id
-        rel = self.data.xpos[self.cube_bodies[i]] - self.tray_pos
+        return self._rests_in(self.target_id, self.tray_pos, touching)
+
+    def _rests_in(self, i: int, tray_pos: np.ndarray, touching: set[int]) -> bool:
+        """Whether cube ``i`` rests, released, in the tray centred at ``tray_pos``; ``touching``: the geoms in
+        contact with it."""
+        rel = self.data.xpos[self.cube_bodies[i]] - tray_pos
         adr = self.cube_dof_adr[i]
         speed = _norm(self.data.qvel[adr : adr + 3])
         inside = abs(rel[0]) < TRAY_INNER_HALF - 0.005 and abs(rel[1]) < TRAY_INNER_HALF - 0.005
