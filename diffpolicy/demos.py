@@ -98,9 +98,10 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
 
     Returns:
         ``(episode, success)``: ``episode`` maps ``action`` (L, Da), ``reward`` (L,) and each observation key
-        to L steps (``rgb`` (L, H, W, 3) uint8, ``points`` (L, N, 6), ``state`` (L, Ds), ``instruction`` one
-        string), plus ``target_pos`` (L, 3 k) where the env's info reports it (a privileged label); step t
-        holds the observation the expert acted on, the action it took and its reward.
+        to L steps (``rgb`` (L, H, W, 3) uint8, ``points`` (L, N, 6), ``state`` (L, Ds); ``instruction`` one
+        string, or L strings when it changed during the episode: a dialogue), plus ``target_pos`` (L, 3 k)
+        where the env's info reports it (a privileged label); step t holds the observation the expert acted on,
+        the action it took and its reward.
         ``success`` is None when the environment reports no ``is_success`` (Hopper: returns, no goal).
     """
     obs, info = env.reset(seed=seed)
@@ -108,11 +109,13 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
     targets: list[np.ndarray] | None = [] if TARGET_KEY in info else None
     actions: list[np.ndarray] = []
     rewards: list[float] = []
-    instruction = obs.get("instruction")
+    texts: list[str] | None = [] if "instruction" in obs else None
     success, reported = False, False
     while True:
         for key in steps:
             steps[key].append(np.array(obs[key], copy=True))
+        if texts is not None:  # the instruction of this step (a dialogue grows during the episode)
+            texts.append(str(obs["instruction"]))
         if targets is not None:  # the label of the observation just stored
             targets.append(np.asarray(info[TARGET_KEY], dtype=np.float32))
         action = expert.act(env)
@@ -128,8 +131,8 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
     episode[REWARD_KEY] = np.asarray(rewards, dtype=np.float32)  # (L,)
     if targets is not None:
         episode[TARGET_KEY] = np.stack(targets)  # (L, 3 k): k labelled points
-    if instruction is not None:
-        episode["instruction"] = str(instruction)
+    if texts is not None:
+        episode["instruction"] = texts[0] if len(set(texts)) == 1 else texts
     return episode, success if reported else None
 
 

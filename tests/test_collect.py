@@ -113,3 +113,19 @@ def test_collect_cli(tmp_path):
     bad = _run(["env=gym", "n_episodes=1", f"hydra.run.dir={tmp_path / 'g'}"], tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: env=gym")
     assert len([ln for ln in bad.stderr.splitlines() if ln.startswith("error")]) == 1
+
+
+def test_dialogue_demos_record_each_steps_instruction(tmp_path):
+    """A correction changes the instruction mid-episode: the demonstrations hold it step by step, and BC's
+    windows read the dialogue of their own step."""
+    cfg = EnvConfig(name="mujoco_dialogue", id="diffpolicy_envs:MujocoDialogue-v0", image_size=32, n_points=64,
+                    max_episode_steps=180, kwargs={"kinds": ["object"], "correction_steps": [10, 10]})  # fmt: skip
+    out = collect_demos(cfg, 2, seed=0, out=tmp_path / "d")
+    reader = DemoReader(out["path"])
+    texts = reader.episode(0)["instruction"]
+    # spoken after the 10th step: the first utterance until then, the dialogue from the observation it returns
+    assert texts[0] == texts[9] and "\n" not in texts[0]
+    assert texts[10] == texts[-1] and texts[10].startswith(texts[0] + "\n")
+    windows = DemoWindows(out["path"], 1, 16)
+    obs, _ = windows.batch(torch.tensor([9, 10]))
+    assert obs["instruction"] == [texts[9], texts[10]]
