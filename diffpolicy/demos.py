@@ -49,6 +49,7 @@ from diffpolicy.config import ENV_FIELDS_ADDED, ENV_RUNTIME_FIELDS, BCConfig, En
 from diffpolicy.data.dataset import (
     INSTRUCTION_KEY,
     REWARD_KEY,
+    SUBTASK_KEY,
     TARGET_KEY,
     DemoFormatError,
     DemoWriter,
@@ -100,13 +101,15 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
         ``(episode, success)``: ``episode`` maps ``action`` (L, Da), ``reward`` (L,) and each observation key
         to L steps (``rgb`` (L, H, W, 3) uint8, ``points`` (L, N, 6), ``state`` (L, Ds); ``instruction`` one
         string, or L strings when it changed during the episode: a dialogue), plus ``target_pos`` (L, 3 k)
-        where the env's info reports it (a privileged label); step t holds the observation the expert acted on,
+        where the env's info reports it (a privileged label) and ``subtask`` (L strings, multi-stage tasks'
+        label); step t holds the observation the expert acted on,
         the action it took and its reward.
         ``success`` is None when the environment reports no ``is_success`` (Hopper: returns, no goal).
     """
     obs, info = env.reset(seed=seed)
     steps: dict[str, list[Any]] = {k: [] for k in TENSOR_KEYS if k in obs}
     targets: list[np.ndarray] | None = [] if TARGET_KEY in info else None
+    subtasks: list[str] | None = [] if SUBTASK_KEY in info else None
     actions: list[np.ndarray] = []
     rewards: list[float] = []
     texts: list[str] | None = [] if "instruction" in obs else None
@@ -118,6 +121,8 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
             texts.append(str(obs["instruction"]))
         if targets is not None:  # the label of the observation just stored
             targets.append(np.asarray(info[TARGET_KEY], dtype=np.float32))
+        if subtasks is not None:  # the sub-task the expert works on at this observation
+            subtasks.append(str(info[SUBTASK_KEY]))
         action = expert.act(env)
         actions.append(np.asarray(action, dtype=np.float32))
         obs, reward, terminated, truncated, info = env.step(action)
@@ -131,6 +136,8 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
     episode[REWARD_KEY] = np.asarray(rewards, dtype=np.float32)  # (L,)
     if targets is not None:
         episode[TARGET_KEY] = np.stack(targets)  # (L, 3 k): k labelled points
+    if subtasks is not None:
+        episode[SUBTASK_KEY] = subtasks  # L strings
     if texts is not None:
         episode["instruction"] = texts[0] if len(set(texts)) == 1 else texts
     return episode, success if reported else None

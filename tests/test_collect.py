@@ -129,3 +129,14 @@ def test_dialogue_demos_record_each_steps_instruction(tmp_path):
     windows = DemoWindows(out["path"], 1, 16)
     obs, _ = windows.batch(torch.tensor([9, 10]))
     assert obs["instruction"] == [texts[9], texts[10]]
+
+
+def test_stage_demos_record_the_subtask_label(tmp_path):
+    cfg = EnvConfig(name="mujoco_dialogue", id="diffpolicy_envs:MujocoDialogue-v0", obs_mode="state",
+                    max_episode_steps=180, kwargs={"task": "stages"})  # fmt: skip
+    out = collect_demos(cfg, 1, seed=0, out=tmp_path / "d")
+    reader = DemoReader(out["path"])
+    labels = reader.episode(0)["subtask"]
+    assert len(labels) == reader.num_steps and len(set(labels)) == 2  # one sub-task, then the other
+    assert labels[0].startswith("put the") and labels[-1] != labels[0]
+    assert "subtask" not in DemoWindows(out["path"], 1, 16).obs_keys  # a label, not an observation

@@ -20,6 +20,7 @@ touches and never loads the whole dataset. Fields (per step):
 | ``rgb`` | uint8 | (H, W, 3) | camera image |
 | ``points`` | float32 | (N, 3) | point cloud |
 | ``instruction`` | int32 | () | index into ``meta["instructions"]`` |
+| ``subtask`` | int32 | () | index into ``meta["instructions"]``: the sub-task the expert works on (a label) |
 
 Any other observation array may be stored too; float64 input is stored as float32. ``meta.json`` holds
 ``format`` ("diffpolicy-demos"), ``version``, ``env_id``, ``chunk_len``, ``num_steps``, ``num_episodes``,
@@ -58,7 +59,12 @@ INSTRUCTION_KEY = "instruction"
 TARGET_KEY = "target_pos"
 """A privileged training label (3 k,) m: k positions, the named object's (MujocoPick's ``info["target_pos"]``),
 recorded by the scripted expert's collection and read only by BC's auxiliary loss, never by a policy."""
-NON_OBSERVATION_FIELDS = (ACTION_KEY, REWARD_KEY, TARGET_KEY)
+SUBTASK_KEY = "subtask"
+"""A training label of multi-stage tasks: the sub-task of the step as a one-step instruction
+(MujocoDialogue's ``info["subtask"]``), what a high-level selector learns to say."""
+TEXT_FIELDS = (INSTRUCTION_KEY, SUBTASK_KEY)
+"""Fields stored as indices into ``meta["instructions"]``."""
+NON_OBSERVATION_FIELDS = (ACTION_KEY, REWARD_KEY, TARGET_KEY, SUBTASK_KEY)
 """Fields of a step that are not observations (every other field is one)."""
 DEFAULT_CHUNK_LEN = 1024
 """Steps per chunk file."""
@@ -155,7 +161,8 @@ class DemoWriter:
 
         Args:
             episode: ``"action"`` (L, Da) and observation arrays (L, ...), all with the same L >= 1;
-                ``"instruction"`` may be one string for the whole episode or a sequence of L strings.
+                ``"instruction"`` (and ``"subtask"``) may be one string for the whole episode or a sequence
+                of L strings.
             seed: the reset seed of the episode, if known.
             success: whether the episode succeeded, if known.
         """
@@ -168,7 +175,7 @@ class DemoWriter:
             raise ValueError("an episode needs at least one step")
         arrays = {}
         for name, value in episode.items():
-            if name == INSTRUCTION_KEY:
+            if name in TEXT_FIELDS:
                 texts = [value] * length if isinstance(value, str) else list(value)
                 ids = [self._instructions.setdefault(str(t), len(self._instructions)) for t in texts]
                 value = np.asarray(ids, dtype=np.int32)
@@ -356,11 +363,12 @@ class DemoReader:
         return self.read(name, lo, hi)[steps - lo]
 
     def episode(self, index: int) -> dict[str, Any]:
-        """All fields of one episode; ``instruction`` decoded to a list of strings."""
+        """All fields of one episode; ``instruction`` and ``subtask`` decoded to lists of strings."""
         start, stop = int(self.episode_starts[index]), int(self.episode_ends[index])
         out: dict[str, Any] = {name: self.read(name, start, stop) for name in self.fields}
-        if INSTRUCTION_KEY in out:
-            out[INSTRUCTION_KEY] = [self.instructions[i] for i in out[INSTRUCTION_KEY]]
+        for key in TEXT_FIELDS:
+            if key in out:
+                out[key] = [self.instructions[i] for i in out[key]]
         return out
 
     def iter_chunks(self, name: str) -> Iterable[np.ndarray]:
