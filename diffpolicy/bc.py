@@ -44,7 +44,7 @@ BC_WEIGHT_DECAY = 1e-6
 BC_FIELDS = {"bc_epochs": "epochs", "bc_batch_size": "batch_size", "bc_lr": "lr", "ema_decay": "ema_decay",
              "n_demos": "n_demos", "bc_max_grad_norm": "max_grad_norm"}  # fmt: skip
 """BCConfig fields that change a BC result (the cache key), under the names the keys were first made with."""
-BC_FIELDS_ADDED = ("noise_draws", "target_aux_weight", "steps", "translate", "translate_state")
+BC_FIELDS_ADDED = ("noise_draws", "target_aux_weight", "steps", "translate", "translate_state", "instruction")
 """BCConfig fields that change a BC result but entered the cache key later: keyed only when not at their
 defaults, so caches written before them stay valid."""
 POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing")
@@ -393,7 +393,7 @@ def behaviour_cloning(
     t0 = time.perf_counter()
     device = runtime.device
     runtime.manual_seed(seed)
-    data = DemoWindows(demos_path, policy_cfg.n_obs_steps, policy_cfg.horizon)
+    data = DemoWindows(demos_path, policy_cfg.n_obs_steps, policy_cfg.horizon, instruction=bc_cfg.instruction)
     policy = fitted_policy(data, policy_cfg, text_backend).to(device).train()
     ema = EMA(policy, bc_cfg.ema_decay)
 

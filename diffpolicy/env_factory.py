@@ -76,7 +76,7 @@ class ActionChunkWrapper(gym.Wrapper):
 def env_kwargs(cfg: EnvConfig, n_action_steps: int) -> dict[str, Any]:
     """Constructor keyword arguments for ``cfg``'s environment (camera rendered once per decision)."""
     kwargs: dict[str, Any] = {"max_episode_steps": cfg.max_episode_steps}
-    if cfg.name in ("mujoco_pick", "mujoco_dialogue", "metaworld"):
+    if cfg.name in ("mujoco_pick", "mujoco_dialogue", "mujoco_stages", "metaworld"):
         kwargs.update(
             obs_mode=cfg.obs_mode, image_size=cfg.image_size, n_points=cfg.n_points, obs_every=n_action_steps
         )

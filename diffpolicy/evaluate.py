@@ -89,6 +89,10 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         policy.n_action_steps = cfg.n_action_steps
     deterministic, protocol, source = sampling_protocol(ckpt, cfg.deterministic, cfg.protocol)
     apply_protocol(policy, protocol)
+    if cfg.selector:  # a multi-stage task's hierarchy: the selector names the sub-task the policy acts on
+        from diffpolicy.hierarchy import hierarchy
+
+        policy = hierarchy(policy, cfg.selector)
     runtime.manual_seed(cfg.eval_seed)
     num_envs = min(env_cfg.num_envs, cfg.n_episodes)  # the waves: the order sampled noise is drawn in
     result = evaluation.evaluate(
@@ -120,6 +124,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         "protocol": protocol,
         "protocol_from": source,
         **({"env_kwargs": dict(cfg.env_kwargs)} if cfg.env_kwargs else {}),  # changed for this evaluation
+        **({"selector": cfg.selector} if cfg.selector else {}),  # the hierarchy's high level
         **({"n_action_steps": cfg.n_action_steps} if cfg.n_action_steps is not None else {}),
     }
     if cfg.reachability_tries > 0:

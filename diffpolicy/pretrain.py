@@ -6,6 +6,10 @@ expert's, collected into ``<cache_dir>/demos/<key>`` when missing: :func:`diffpo
 ``diffpolicy.train`` reads (the same ``bc.demos`` there reuses it) -> the training curve ``bc_loss.png``
 and, when ``eval_episodes > 0``, a held-out success rate measured as ``train`` measures its BC success
 rate (:func:`diffpolicy.evaluation.held_out`).
+
+``policy=selector`` trains a multi-stage task's sub-task selector instead (:func:`selector_main`): on the
+demonstrations' ``subtask`` labels, judged by how often it names the expert's sub-task on the expert's
+episodes from the validation seeds (``val_episodes``); its success comes from ``evaluate selector=PATH``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
     from diffpolicy.evaluation import held_out, protocol_of
     from diffpolicy.plots import plot_curve
 
+    if cfg.policy.kind == "selector":
+        return selector_main(cfg, run_dir)
     t0 = time.perf_counter()
     runtime = Runtime.from_config(cfg.device)
     summary: dict[str, Any] = {}
@@ -98,6 +104,28 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
         **summary,
         "wall_time_s": round(time.perf_counter() - t0, 2),
     }
+
+
+def selector_main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
+    """Train a sub-task selector (``policy=selector``) and measure its label accuracy on validation episodes."""
+    from diffpolicy.demos import collect_demos
+    from diffpolicy.hierarchy import label_accuracy, train_selector
+
+    t0 = time.perf_counter()
+    runtime = Runtime.from_config(cfg.device)
+    with Logger(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress) as logger:
+        demos, made = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir, logger.progress)
+        selector, metrics = train_selector(
+            cfg.env, cfg.policy, cfg.bc, demos, runtime, logger, run_dir, cfg.seed
+        )
+        summary: dict[str, Any] = {**metrics, "demos": str(demos), "demos_collected": made}
+        if (
+            cfg.val_episodes > 0
+        ):  # the expert's own episodes on validation seeds: does it name their sub-task?
+            val = collect_demos(cfg.env, cfg.val_episodes, cfg.val_seed, run_dir / "val_demos")["path"]
+            summary["val"] = {"label_accuracy": label_accuracy(selector, val), "episodes": cfg.val_episodes,
+                              "first_seed": cfg.val_seed}  # fmt: skip
+    return {**summary, "wall_time_s": round(time.perf_counter() - t0, 2)}
 
 
 def reused(root: Path, runtime: Runtime) -> tuple[Any, dict[str, Any], Path]:

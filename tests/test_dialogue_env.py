@@ -235,6 +235,7 @@ def test_video_frames_caption_the_dialogue_at_one_size():
     env.step(np.zeros(7, np.float32))
     after = env.render()
     assert before.shape == after.shape and before.shape[0] > 96 and before.dtype == np.uint8
+    assert before.shape[0] % 16 == 0  # what video encoders take
     assert not np.array_equal(before[96:], after[96:])  # the correction is captioned
 
 

@@ -119,6 +119,7 @@ values."""
 
 ENV_DEFAULTS: dict[str, dict[str, Any]] = {
     "mujoco_dialogue": {"bc.n_demos": 200},
+    "mujoco_stages": {"bc.n_demos": 200},
     "metaworld": {
         "policy.encoder.use_state": True,
         "policy.encoder.workspace_low": [-0.7, 0.2, 0.0],
@@ -138,7 +139,8 @@ ENV_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 """``env.name`` -> derived values that replace :data:`OBS_MODE_DEFAULTS`' for that environment, in either obs
 mode (``<env.name>:<obs_mode>``: in that mode only). mujoco_dialogue: twice the pick task's 100 demonstrations,
-since its episodes come in four situations (the object or the place corrected, before or after the grasp).
+since its episodes come in four situations (the object or the place corrected, before or after the grasp);
+mujoco_stages the same (each episode two picks).
 metaworld, the same for all 50 tasks, chosen on the
 validation seeds of two development tasks, assembly and coffee-push (docs/experiments.md, 2026-12-02): DP3's 10
 demonstrations; the proprioception token (hand and finger pads only, DP3's ``agent_pos``: no object pose); the

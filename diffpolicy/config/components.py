@@ -20,7 +20,7 @@ class EnvConfig:
 
     name: str = "mujoco_pick"
     """Config-group entry: mujoco_pick | mujoco_dialogue (the pick scene with two trays and an instruction
-    corrected mid-episode) | obstacle_reach | hopper / walker2d (Gymnasium's Hopper-v5 /
+    corrected mid-episode) | mujoco_stages (its two-sub-task task) | obstacle_reach | hopper / walker2d (Gymnasium's Hopper-v5 /
     Walker2d-v5, demonstrated by a medium-quality PPO actor) | metaworld (any of Meta-World's 50 v3 tasks, ``env.task``) | gym."""
     task: str = ""
     """env=metaworld: the v3 task (``stick-pull`` or ``stick-pull-v3``; the 50 names are
@@ -56,7 +56,16 @@ class EnvConfig:
         _choice(
             "env.name",
             self.name,
-            ("mujoco_pick", "mujoco_dialogue", "obstacle_reach", "hopper", "walker2d", "metaworld", "gym"),
+            (
+                "mujoco_pick",
+                "mujoco_dialogue",
+                "mujoco_stages",
+                "obstacle_reach",
+                "hopper",
+                "walker2d",
+                "metaworld",
+                "gym",
+            ),  # fmt: skip
         )
         if self.name == "metaworld":
             from diffpolicy_envs.meta_world import TASKS, task_name
@@ -189,9 +198,12 @@ class PolicyConfig:
     """The diffusion policy: encoders, 1-D U-Net denoiser and DDPM/DDIM schedule."""
 
     name: str = "unet_small"
-    """Config-group entry: unet_small64 (the default) | unet_small | unet_large | mlp | gaussian (the MLP baseline)."""
+    """Config-group entry: unet_small64 (the default) | unet_small | unet_large | mlp | gaussian (the MLP baseline) |
+    selector (a multi-stage task's high-level sub-task selector)."""
     kind: str = "diffusion"
-    """diffusion | gaussian (a Gaussian MLP baseline with the same encoders)."""
+    """diffusion | gaussian (a Gaussian MLP baseline with the same encoders) | selector (the encoders and a
+    classifier over the demonstrations' sub-task instructions, ``cond_dim`` wide: ``pretrain`` trains it on the
+    ``subtask`` labels, :mod:`diffpolicy.hierarchy`)."""
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     """Observation encoders."""
     cond_dim: int = 256
@@ -263,7 +275,7 @@ class PolicyConfig:
     """Start from this checkpoint instead of pre-training ('' = pre-train or reuse the cached one)."""
 
     def __post_init__(self) -> None:
-        _choice("policy.kind", self.kind, ("diffusion", "gaussian"))
+        _choice("policy.kind", self.kind, ("diffusion", "gaussian", "selector"))
         _choice("policy.conditioning", self.conditioning, ("film", "adanorm"))
         _choice("policy.denoiser", self.denoiser, ("unet", "mlp"))
         if not self.mlp_dims or any(d <= 0 for d in self.mlp_dims):
@@ -336,6 +348,10 @@ class BCConfig:
 
     __slots__ = ("__dict__", "__weakref__", "_derived")  # _derived: not a field, and not in vars() either
 
+    instruction: str = "observed"
+    """What BC reads as the instruction: ``observed`` (the demonstrations' own) or ``subtask`` (the sub-task
+    label multi-stage demonstrations record, ``env.kwargs.task=stages``): the low-level policy of a hierarchy,
+    which acts on the sub-task instruction a selector (``policy=selector``) names."""
     epochs: int | None = None
     """Epochs over the demonstrations (null: derived from ``env.obs_mode``, :data:`OBS_MODE_DEFAULTS`).
     state: 80; on mujoco_pick's imprecise demo set (3040 steps, ~9 min on 2 cores) held-out success was 0.90
@@ -398,6 +414,7 @@ class BCConfig:
 
     def __post_init__(self) -> None:
         _derive_state_defaults(self, "bc")
+        _choice("bc.instruction", self.instruction, ("observed", "subtask"))
         for name in ("epochs", "batch_size", "n_demos"):
             _positive(f"bc.{name}", getattr(self, name))
         _positive("bc.steps", self.steps, allow_zero=True)

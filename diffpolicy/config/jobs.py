@@ -266,6 +266,9 @@ class EvaluateConfig:
     explore_hold: str = "step"
     """Reachability: step (fresh noise every control step, as a per-step residual explores) | chunk (one
     draw per decision, held over its Te steps: temporally correlated)."""
+    selector: str = ""
+    """A sub-task selector's checkpoint (``pretrain policy=selector``): evaluate the hierarchy of it above
+    ``checkpoint`` (the low-level policy, cloned with ``bc.instruction=subtask``) on a multi-stage task."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     """Environment keyword arguments changed for this evaluation only, over the checkpoint's ``env.kwargs``
     (``+env_kwargs.state_noise=0.015`` evaluates a Meta-World state policy with its positions off by that

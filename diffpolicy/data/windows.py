@@ -8,7 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffpolicy.data.dataset import NON_OBSERVATION_FIELDS, TARGET_KEY, DemoReader
+from diffpolicy.data.dataset import NON_OBSERVATION_FIELDS, SUBTASK_KEY, TARGET_KEY, DemoReader
+
+INSTRUCTION_SOURCES = ("observed", "subtask")
+"""What a window's ``instruction`` is: the observed one, or the step's sub-task label (a low-level policy of a
+hierarchy reads the sub-task a selector names)."""
 
 
 class DemoWindows:
@@ -25,10 +29,17 @@ class DemoWindows:
         action_horizon: Ta.
         obs_keys: observation fields to serve (default: every observation field the dataset has; ``action``
             and ``reward`` are not observations).
+        instruction: ``observed`` (the step's observed instruction) or ``subtask`` (its sub-task label, which
+            multi-stage demonstrations record) served as ``instruction``.
     """
 
     def __init__(
-        self, path: str | Path, obs_horizon: int, action_horizon: int, obs_keys: list[str] | None = None
+        self,
+        path: str | Path,
+        obs_horizon: int,
+        action_horizon: int,
+        obs_keys: list[str] | None = None,
+        instruction: str = "observed",
     ) -> None:
         reader = DemoReader(path)
         self.path = Path(path)
@@ -36,9 +47,20 @@ class DemoWindows:
         fields = [k for k in reader.fields if k not in NON_OBSERVATION_FIELDS]
         self.obs_keys = [k for k in (obs_keys or fields) if k in fields]
         self.instructions = list(reader.instructions)
+        if instruction not in INSTRUCTION_SOURCES:
+            raise ValueError(f"instruction={instruction!r}: choose one of {', '.join(INSTRUCTION_SOURCES)}")
+        self.has_subtask = SUBTASK_KEY in reader.fields
+        """The dataset records each step's sub-task label (:meth:`subtask`)."""
+        if instruction == "subtask" and not (self.has_subtask and "instruction" in self.obs_keys):
+            raise ValueError(
+                f"demonstrations at {path} record no {SUBTASK_KEY!r} label (a multi-stage task's, "
+                "env.kwargs.task=stages) to read as the instruction"
+            )
+        self.text_field = SUBTASK_KEY if instruction == "subtask" else "instruction"
         self.has_target = TARGET_KEY in reader.fields
         """The dataset records the privileged ``target_pos`` label (:meth:`target`)."""
-        loaded = [*self.obs_keys, "action", *([TARGET_KEY] if self.has_target else [])]
+        labels = [k for k, has in ((TARGET_KEY, self.has_target), (SUBTASK_KEY, self.has_subtask)) if has]
+        loaded = [*self.obs_keys, "action", *labels]
         self.data = {k: torch.from_numpy(reader.read(k, 0, reader.num_steps)) for k in loaded}
         success = self.meta["success"]
         keep = [i for i in range(reader.num_episodes) if success[i] is not False]
@@ -74,7 +96,7 @@ class DemoWindows:
         obs: dict[str, Any] = {}
         for key in self.obs_keys:
             if key == "instruction":
-                obs[key] = [self.instructions[int(j)] for j in self.data[key][oi[:, -1]]]
+                obs[key] = [self.instructions[int(j)] for j in self.data[self.text_field][oi[:, -1]]]
             else:
                 value = self.data[key][oi]  # (B, To, ...)
                 obs[key] = (value if value.dtype == torch.uint8 else value.float()).to(
@@ -91,6 +113,12 @@ class DemoWindows:
                 "or imported): collect them again (remove them from the cache) or set bc.target_aux_weight=0"
             )
         return self.data[TARGET_KEY][self.obs_idx[idx, -1]].float().to(device, non_blocking=True)
+
+    def subtask(self, idx: torch.Tensor) -> list[str]:
+        """The sub-task labels of windows ``idx`` (B,) at step t (multi-stage demonstrations)."""
+        if not self.has_subtask:
+            raise ValueError(f"demonstrations at {self.path} record no {SUBTASK_KEY!r} label")
+        return [self.instructions[int(j)] for j in self.data[SUBTASK_KEY][self.obs_idx[idx, -1]]]
 
 
 # ---------------------------------------------------------------------------------------------- training

@@ -35,4 +35,8 @@ def make_policy(
         return DiffusionPolicy(cfg, obs_spec, action_dim, text_backend=text_backend)
     if cfg.kind == "gaussian":
         return GaussianPolicy(cfg, obs_spec, action_dim, text_backend=text_backend)
+    if cfg.kind == "selector":
+        raise ValueError(
+            "policy.kind=selector is trained by pretrain and loaded by diffpolicy.hierarchy, not built here"
+        )
     raise ValueError(f"policy.kind={cfg.kind!r} is not allowed; choose one of diffusion, gaussian")

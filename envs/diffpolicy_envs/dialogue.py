@@ -277,7 +277,8 @@ class MujocoDialogueEnv(MujocoPickEnv):
         size = max(10, frame.shape[0] // 24)
         font = ImageFont.load_default(size=size)
         lines = [f"> {t}" for t in self.turns[-CAPTION_LINES:]]
-        band = (size + 3) * CAPTION_LINES + 6  # the same for every frame: one video, one frame size
+        band = (size + 3) * CAPTION_LINES + 6  # the same for every frame: one video, one frame size ...
+        band += -(frame.shape[0] + band) % 16  # ... whose height video encoders take (a multiple of 16)
         image = Image.new("RGB", (frame.shape[1], frame.shape[0] + band), (20, 20, 20))
         image.paste(Image.fromarray(frame), (0, 0))
         draw = ImageDraw.Draw(image)

@@ -1,0 +1,106 @@
+"""A high-level selector over a language-conditioned policy: which sub-task instruction next.
+
+:class:`SubtaskSelector` reads the observation and the dialogue (the multi-stage instruction, and what was
+said since) and names the sub-task to do now, one of a fixed vocabulary of one-step instructions ("put the red
+cube in the yellow tray") learned from demonstrations labelled with them. :class:`HierarchicalPolicy` puts it
+above a low-level policy: it chooses once per decision (every Te control steps), and the low-level policy acts
+on the chosen instruction. A person's correction overrides it: the utterances said after the task's instruction follow the chosen sub-task in the
+dialogue the low-level policy reads ("put the red cube in the yellow tray\\nno, the blue one"), as a policy
+trained on mujoco_dialogue's corrections reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from diffpolicy.config import EncoderConfig
+from diffpolicy.encoders.fusion import ObservationEncoder
+from diffpolicy.encoders.memory import TURN_SEP
+
+
+class SubtaskSelector(nn.Module):
+    """(observation, dialogue) -> logits (B, V) over ``vocabulary`` (V sub-task instructions).
+
+    The observation goes through an :class:`~diffpolicy.encoders.fusion.ObservationEncoder` (the same
+    encoders as a diffusion policy's; the dialogue through its instruction memory when
+    ``encoder.text_memory`` > 0) into a vector of ``hidden`` features, then a Mish-MLP head.
+
+    Args:
+        encoder: the encoders' configuration.
+        obs_spec: observation key -> per-step shape (``instruction``: any value).
+        vocabulary: the V sub-task instructions it chooses from.
+        hidden: width of the encoder's output and of the head.
+        text_backend: the frozen sentence encoder (``minilm``; ``hash`` for tests).
+    """
+
+    def __init__(
+        self,
+        encoder: EncoderConfig,
+        obs_spec: Mapping[str, Any],
+        vocabulary: list[str],
+        hidden: int = 128,
+        text_backend: str = "minilm",
+    ) -> None:
+        super().__init__()
+        if len(vocabulary) < 2 or len(set(vocabulary)) != len(vocabulary):
+            raise ValueError(f"a selector needs >= 2 distinct sub-task instructions, got {vocabulary!r}")
+        self.vocabulary = list(vocabulary)
+        self.obs_encoder = ObservationEncoder(encoder, obs_spec, 1, hidden, text_backend=text_backend)
+        self.head = nn.Sequential(
+            nn.Mish(), nn.Linear(hidden, hidden), nn.Mish(), nn.Linear(hidden, len(vocabulary))
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def forward(self, obs: Mapping[str, Any], augment: bool = False) -> torch.Tensor:
+        """obs as a policy reads it (tensors (B, 1, ...), ``instruction`` B strings) -> logits (B, V)."""
+        return self.head(self.obs_encoder(obs, augment))
+
+    @torch.no_grad()
+    def select(self, obs: Mapping[str, Any]) -> list[str]:
+        """The sub-task instruction to act on now, for each of the B observations."""
+        return [self.vocabulary[int(i)] for i in self(obs).argmax(-1)]
+
+
+class HierarchicalPolicy(nn.Module):
+    """A selector above a low-level policy that acts on the sub-task instruction it names.
+
+    The selector chooses at every decision (:meth:`plan`, the one sampling path of evaluation,
+    :func:`diffpolicy.policies.base.act`): once per Te control steps (0.8 s at Te = 8 and 10 Hz), the clock on
+    which the low-level policy replans, and stateless, so a choice follows what the scene shows (a sub-task is
+    over when its cube lies in its tray). The low-level policy reads the chosen sub-task, then the utterances
+    said after the task's instruction (a person's correction overrides the choice).
+
+    Args:
+        selector: a trained :class:`SubtaskSelector`.
+        low: the low-level policy (a diffusion policy trained on sub-task instructions, ``bc.instruction=subtask``).
+    """
+
+    def __init__(self, selector: SubtaskSelector, low: nn.Module) -> None:
+        super().__init__()
+        self.selector, self.low = selector, low
+
+    def __getattr__(self, name: str) -> Any:  # horizon, n_action_steps, obs_spec, ...: the low level's
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["low"], name)
+
+    def instructions(self, obs: Mapping[str, Any]) -> list[str]:
+        """What the low-level policy reads: each observation's chosen sub-task, then the utterances said after
+        the task's instruction."""
+        dialogues = [str(d) for d in obs["instruction"]]
+        chosen = self.selector.select(obs)
+        return [TURN_SEP.join([c, *d.split(TURN_SEP)[1:]]) for c, d in zip(chosen, dialogues)]
+
+    def plan(self, obs: Mapping[str, Any], **kwargs: Any) -> Any:
+        return self.low.plan({**obs, "instruction": self.instructions(obs)}, **kwargs)
+
+    def sample(self, obs: Mapping[str, Any], **kwargs: Any) -> Any:
+        return self.low.sample({**obs, "instruction": self.instructions(obs)}, **kwargs)

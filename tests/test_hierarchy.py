@@ -1,0 +1,141 @@
+"""Multi-stage tasks (issue 62): the sub-task selector learns the demonstrations' labels, the hierarchy hands
+its choice (and a person's later correction) to the low-level policy, and the commands run end to end."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffpolicy.cli import compose
+from diffpolicy.config import BCConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.demos import collect_demos
+from diffpolicy.device import Runtime
+from diffpolicy.hierarchy import label_accuracy, load_selector, train_selector
+from diffpolicy.logger import Logger
+from diffpolicy.policies.selector import HierarchicalPolicy, SubtaskSelector
+
+CPU = Runtime.from_config(DeviceConfig(type="cpu"))
+STAGES_STATE = EnvConfig(name="mujoco_stages", id="diffpolicy_envs:MujocoDialogue-v0", obs_mode="state",
+                         max_episode_steps=180, kwargs={"task": "stages"})  # fmt: skip
+SMALL = PolicyConfig(
+    kind="selector", cond_dim=32, encoder=EncoderConfig(token_dim=16, fusion_heads=2, state_hidden=32)
+)
+VOCAB = ["put the red cube in the yellow tray", "put the blue cube in the purple tray"]
+
+
+def test_selector_shapes_and_vocabulary():
+    sel = SubtaskSelector(SMALL.encoder, {"state": [5], "instruction": None}, VOCAB, 32, text_backend="hash")
+    obs = {"state": torch.randn(3, 1, 5), "instruction": ["a", "b", "c"]}
+    assert sel(obs).shape == (3, 2) and set(sel.select(obs)) <= set(VOCAB)
+    with pytest.raises(ValueError, match="distinct"):
+        SubtaskSelector(SMALL.encoder, {"state": [5]}, ["one", "one"], 32, text_backend="hash")
+
+
+class _Low(torch.nn.Module):
+    """Records what it is asked to act on."""
+
+    horizon, n_action_steps = 8, 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[str]] = []
+
+    def plan(self, obs, **kwargs):
+        self.seen.append(list(obs["instruction"]))
+        return None, None
+
+
+def test_hierarchy_hands_the_choice_and_later_utterances_to_the_low_level():
+    sel = SubtaskSelector(SMALL.encoder, {"state": [5], "instruction": None}, VOCAB, 32, text_backend="hash")
+    with torch.no_grad():  # a selector that always names the second sub-task
+        sel.head[-1].weight.zero_()
+        sel.head[-1].bias.copy_(torch.tensor([0.0, 5.0]))
+    low = _Low()
+    policy = HierarchicalPolicy(sel, low)
+    task = "put the red cube in the yellow tray, then the blue cube in the purple tray"
+    obs = {"state": torch.zeros(2, 1, 5), "instruction": [task, f"{task}\nno, the green one first"]}
+    policy.plan(obs, deterministic=True)
+    assert low.seen == [[VOCAB[1], f"{VOCAB[1]}\nno, the green one first"]]  # the correction overrides
+    assert policy.horizon == 8 and policy.n_action_steps == 4  # the low level's
+
+
+@pytest.fixture(scope="module")
+def stage_demos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stages")
+    train = collect_demos(STAGES_STATE, 6, seed=0, out=root / "train")["path"]
+    val = collect_demos(STAGES_STATE, 2, seed=100, out=root / "val")["path"]
+    return root, train, val
+
+
+def _object_accuracy(selector: SubtaskSelector, demos: str) -> float:
+    """How often the selector's sub-task names the cube of the expert's (the privileged state carries the
+    current target's one-hot; which tray is yellow it does not)."""
+    from diffpolicy.data.windows import DemoWindows
+
+    data = DemoWindows(demos, 1, 1)
+    idx = torch.arange(len(data))
+    obs, _ = data.batch(idx)
+    cube = [s.split()[2] for s in data.subtask(idx)]  # "put the <colour> cube in the <colour> tray"
+    return sum(a.split()[2] == b for a, b in zip(selector.select(obs), cube)) / len(cube)
+
+
+def test_selector_learns_the_sub_task_labels(stage_demos, tmp_path):
+    """Direction: trained on the labels, it names the expert's cube on other seeds' episodes, where the same
+    selector untrained guesses."""
+    _, train, val = stage_demos
+    torch.manual_seed(0)
+    bc = BCConfig(epochs=1, steps=1, batch_size=64, lr=1e-9, n_demos=6)
+    with Logger(tmp_path / "a", tensorboard=False, progress=False) as log:
+        untrained, _ = train_selector(STAGES_STATE, SMALL, bc, train, CPU, log, tmp_path / "a", seed=0,
+                                      text_backend="hash")  # fmt: skip
+    bc = BCConfig(epochs=40, batch_size=64, lr=3e-3, n_demos=6)
+    with Logger(tmp_path / "b", tensorboard=False, progress=False) as log:
+        selector, metrics = train_selector(STAGES_STATE, SMALL, bc, train, CPU, log, tmp_path / "b", seed=0,
+                                           text_backend="hash")  # fmt: skip
+    assert len(metrics["vocabulary"]) >= 4 and metrics["train_accuracy"] > 0.5
+    assert _object_accuracy(selector, val) >= 0.8 and _object_accuracy(untrained, val) < 0.6
+    assert label_accuracy(selector, val) > label_accuracy(untrained, val)
+    again = load_selector(metrics["checkpoint"])
+    obs = {"state": torch.randn(4, 1, selector.obs_encoder.state_dim)}
+    assert again.select(obs) == selector.select(obs) and again.vocabulary == selector.vocabulary
+
+
+def test_a_policy_checkpoint_is_not_a_selector(tmp_path):
+    from diffpolicy import checkpoint
+
+    path = checkpoint.save(tmp_path, 1, {"policy": {}}, extra={"kind": "diffusion"})
+    with pytest.raises(checkpoint.CheckpointError, match="not a selector"):
+        load_selector(path)
+
+
+TINY = ["env=mujoco_stages", "env.num_envs=2", "env.vectorization=sync", "env.image_size=32", "env.n_points=64",
+        "env.max_episode_steps=180", "policy.encoder.rgb_channels=[8]", "policy.encoder.rgb_keypoints=4",
+        "policy.encoder.point_channels=[8]", "policy.encoder.point_keypoints=4", "policy.encoder.token_dim=16",
+        "policy.encoder.fusion_heads=2", "bc.n_demos=2", "bc.epochs=1", "bc.batch_size=32", "log.progress=false",
+        "device=cpu"]  # fmt: skip
+LOW = ["policy.down_dims=[16,32]", "policy.cond_dim=16", "policy.step_embed_dim=16", "policy.ddim_steps=2"]
+
+
+def test_stages_commands_end_to_end(tmp_path, monkeypatch):
+    """pretrain the low level on sub-task labels and a selector, then evaluate the hierarchy."""
+    from diffpolicy import evaluate, pretrain
+    from diffpolicy.config import EvaluateConfig
+
+    monkeypatch.setenv("DIFFPOLICY_TEXT_ENCODER", "hash")
+    cache = f"cache_dir={tmp_path / 'cache'}"
+    low = pretrain.main(compose("pretrain", [*TINY, *LOW, "bc.instruction=subtask", cache]), tmp_path / "low")
+    sel = pretrain.main(
+        compose("pretrain", [*TINY, "policy=selector", "val_episodes=1", cache]), tmp_path / "sel"
+    )
+    assert 0.0 <= sel["val"]["label_accuracy"] <= 1.0 and sel["vocabulary"]
+    run = tmp_path / "eval"
+    run.mkdir()
+    cfg = EvaluateConfig(
+        checkpoint=str(Path(low["checkpoint"]).parent), selector=sel["checkpoint"], n_episodes=2
+    )
+    summary = evaluate.main(cfg, run)
+    assert summary["selector"] == sel["checkpoint"] and set(summary["by_kind"]) == {"stages"}
+    assert os.path.isdir(tmp_path / "low")
