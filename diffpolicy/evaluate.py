@@ -140,7 +140,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
             autocast=runtime.autocast, reasons=reasons,
         )  # fmt: skip
     if cfg.video_episodes > 0:
-        video = run_dir / "eval.mp4"
+        video = run_dir / f"eval.{cfg.video_format}"
         frames = evaluation.record_video(
             policy,
             env_cfg,

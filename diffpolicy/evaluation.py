@@ -510,10 +510,13 @@ def record_video(
 
 def write_video(path: str, frames: list[np.ndarray], fps: int) -> str:
     """Write ``frames`` (H, W, 3) uint8 as an mp4 at ``path`` with imageio's ffmpeg plugin (the ``video``
-    extra); without it, as numbered PNG frames in the directory ``path`` minus ``.mp4``, with a one-line
-    notice. Returns what was written."""
+    extra), or as a looping GIF when ``path`` ends in ``.gif``; an mp4 without ffmpeg is written as numbered
+    PNG frames in the directory ``path`` minus ``.mp4``, with a one-line notice. Returns what was written."""
     import imageio.v2 as imageio
 
+    if str(path).endswith(".gif"):  # Pillow's writer, a core dependency through imageio
+        imageio.mimsave(path, frames, duration=1000.0 / fps, loop=0)
+        return path
     try:
         imageio.mimsave(path, frames, fps=fps, macro_block_size=1)
         return path

@@ -82,3 +82,16 @@ def test_evaluate_the_checkpoint_under_another_view_of_the_dialogue(dialogue_run
     assert (
         summary["env_kwargs"] == env_kwargs and sum(v["episodes"] for v in summary["by_kind"].values()) == 3
     )
+
+
+def test_evaluate_writes_a_gif_of_a_corrected_episode(dialogue_run):
+    from diffpolicy import evaluate
+    from diffpolicy.config import EvaluateConfig
+
+    root, _ = dialogue_run
+    cfg = EvaluateConfig(checkpoint=str(root / "run" / "checkpoints"), n_episodes=1, video_episodes=1,
+                         video_format="gif", env_kwargs={"kinds": ["object"], "correction_steps": [2, 2]})  # fmt: skip
+    run_dir = root / "eval_gif"
+    run_dir.mkdir()
+    summary = evaluate.main(cfg, run_dir)
+    assert summary["video"] == str(run_dir / "eval.gif") and (run_dir / "eval.gif").stat().st_size > 0

@@ -250,6 +250,8 @@ class EvaluateConfig:
     """First seed; null: the split's (a number overrides it, and the summary says so)."""
     video_episodes: int = 2
     """Episodes recorded to mp4."""
+    video_format: str = "mp4"
+    """mp4 (``eval.mp4``, the ``video`` extra's ffmpeg) | gif (``eval.gif``, Pillow: shows inline in a README)."""
     deterministic: bool | None = None
     """true: every DDIM step's mean (``noise_free``); false: the stochastic chain the rollouts sample
     (``exploration``); null: the protocol the checkpoint's figure was reported under (``extra["protocol"]``,
@@ -299,6 +301,7 @@ class EvaluateConfig:
         _positive("n_episodes", self.n_episodes)
         if self.num_envs is not None:
             _positive("num_envs", self.num_envs)
+        _choice("video_format", self.video_format, ("mp4", "gif"))
         _positive("video_episodes", self.video_episodes, allow_zero=True)
 
 
