@@ -221,6 +221,9 @@ def test_dialogue_policy_exports_its_memory_with_parity(tmp_path):
     with torch.no_grad():  # a fresh U-Net ignores its condition: give the observation a say
         for block in policy.denoiser.res_blocks():
             block.cond_proj.weight.normal_(0.0, 0.5)
+        memory = policy.obs_encoder.text  # and the dialogue's context (zero when built) a say
+        for layer in (memory.attn.out, memory.mlp[-1]):
+            layer.weight.normal_(0.0, 0.3)
     path = tmp_path / "dialogue.onnx"
     graph, spec = export_onnx(policy, shapes, path, batch_size=3)
     names = [i["name"] for i in spec["inputs"]]

@@ -19,9 +19,28 @@ from diffpolicy_envs.mujoco_pick import COLORS
 D = 32
 
 
-def _memory(k: int = 2, max_turns: int = 8) -> InstructionMemory:
+def _memory(k: int = 2, max_turns: int = 8, trained: bool = True) -> InstructionMemory:
+    """A memory; ``trained``: its context layers (zero when built) given random weights, as training leaves
+    them, so that the earlier turns count."""
     torch.manual_seed(0)
-    return InstructionMemory(D, k, max_turns=max_turns, heads=2, backend="hash")
+    mem = InstructionMemory(D, k, max_turns=max_turns, heads=2, backend="hash")
+    if trained:
+        with torch.no_grad():
+            for layer in (mem.attn.out, mem.mlp[-1]):
+                layer.weight.normal_(0.0, 0.3)
+                layer.bias.normal_(0.0, 0.3)
+    return mem
+
+
+def test_a_fresh_memory_reads_the_latest_utterance_as_a_sentence():
+    """Built, every memory token is the latest utterance's sentence token: one utterance is the static
+    instruction, and training starts from it."""
+    mem = _memory(k=3, trained=False)
+    sentence = mem.text(["no, the blue one", "put the red cube in the yellow tray"])[:, 0]  # (2, D)
+    out = mem(
+        ["put the red cube in the yellow tray\nno, the blue one", "put the red cube in the yellow tray"]
+    )
+    torch.testing.assert_close(out, sentence[:, None].expand(-1, 3, -1))
 
 
 def test_the_turn_separator_is_the_environments():
@@ -62,6 +81,9 @@ def test_gradients_reach_projection_recency_queries_and_pool():
     mem(["a\nb", "c"]).square().sum().backward()
     for name, p in mem.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+    fresh = _memory(trained=False)  # built: the zero output layers still get gradients, so training starts
+    fresh(["a\nb", "c"]).square().sum().backward()
+    assert fresh.attn.out.weight.grad.abs().sum() > 0 and fresh.mlp[-1].weight.grad.abs().sum() > 0
 
 
 ENC = EncoderConfig(rgb_channels=[8, 16], rgb_keypoints=8, point_channels=[8, 16], point_keypoints=4, token_dim=D,
@@ -73,7 +95,7 @@ def _obs(instructions: list[str]) -> dict:
     g = torch.Generator().manual_seed(0)
     b = len(instructions)
     return {
-        "rgb": torch.randint(0, 256, (b, 1, 24, 24, 3), dtype=torch.uint8, generator=g).expand(
+        "rgb": torch.randint(0, 256, (1, 1, 24, 24, 3), dtype=torch.uint8, generator=g).expand(
             b, 1, 24, 24, 3
         ),
         "points": (torch.rand(1, 1, 50, 3, generator=g) * 0.6).expand(b, 1, 50, 3),
@@ -93,6 +115,11 @@ def test_observation_encoder_reads_the_dialogue(fusion):
                  "put the red cube in the purple tray\nno, the blue one"]  # fmt: skip
     cond = enc(_obs(dialogues))
     assert cond.shape == (2, 24)
+    torch.testing.assert_close(cond[0], cond[1])  # built: the latest turn alone (the same one) counts
+    with torch.no_grad():  # the context layers as training leaves them
+        for layer in (enc.text.attn.out, enc.text.mlp[-1]):
+            layer.weight.normal_(0.0, 0.3)
+    cond = enc(_obs(dialogues))
     assert not torch.allclose(cond[0], cond[1])  # the same latest turn, another slot said before
 
 
@@ -128,7 +155,7 @@ def _corrected_dialogues() -> tuple[list[str], torch.Tensor, torch.Tensor]:
 def test_memory_learns_both_slots_of_a_corrected_dialogue():
     """The object is in the latest turn, the place only in the first: a readout of the memory learns both."""
     dialogues, objects, places = _corrected_dialogues()
-    mem = _memory(k=2)
+    mem = _memory(k=2, trained=False)  # from the built memory: training must learn to read the first turn
     head = torch.nn.Linear(2 * D, 5)
     opt = torch.optim.Adam([*mem.parameters(), *head.parameters()], lr=3e-3)
     for _ in range(150):

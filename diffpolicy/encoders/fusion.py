@@ -192,8 +192,6 @@ class ObservationEncoder(nn.Module):
                 self.text = InstructionMemory(
                     D, cfg.text_memory, cfg.text_memory_turns, cfg.fusion_heads, backend=text_backend
                 )
-                self.memory_vector = nn.Linear(cfg.text_memory * D, D)
-                """The memory as one vector (B, D) where the sentence's is read: FiLM, the condition."""
             else:
                 self.text = TextEncoder(D, backend=text_backend)
             if cfg.fusion == "attention":
@@ -362,9 +360,9 @@ class ObservationEncoder(nn.Module):
         return self.text(instr)  # (B, k, D)
 
     def _text_vector(self, q: torch.Tensor) -> torch.Tensor:
-        """The instruction's tokens (B, k, D) as one vector (B, D): the sentence's token, or the memory's
-        tokens through :attr:`memory_vector`."""
-        return self.memory_vector(q.flatten(1)) if self.text_memory else q[:, 0]
+        """The instruction's tokens (B, k, D) as one vector (B, D) where FiLM and the condition read it: the
+        sentence's token, or the memory's first token (the latest utterance plus what the dialogue adds)."""
+        return q[:, 0]
 
     def _history(self, k: str, value: Any, B: int) -> torch.Tensor:
         """obs[k] as (B, n_obs_steps, ...): a missing To axis read as To = 1, a short history padded by

@@ -3,10 +3,14 @@
 A dialogue is one string whose utterances are separated by :data:`TURN_SEP` (the format of
 ``MujocoDialogue-v0``'s ``instruction``: "put the red cube in the purple tray\\nno, the blue one"). Each
 utterance goes through the frozen sentence encoder once (the :class:`~diffpolicy.encoders.text.TextEncoder`'s
-cache) and its trainable projection, gets a learned embedding of its recency (0 the latest utterance, 1 the one
-before, ...; utterances older than ``max_turns`` are dropped), and k learned queries attend over the turns (one
-pre-norm cross-attention block, masked to the dialogue's own turns). A correction therefore reaches the
-condition as "the latest turn", and the slot it leaves unsaid stays readable from the turn before.
+cache) and its trainable projection: the token a one-sentence instruction gives. Every memory token is the
+latest utterance's token plus what the dialogue adds: k learned queries attend over the turns, each given a
+learned embedding of its recency (0 the latest utterance, 1 the one before, ...; utterances older than
+``max_turns`` are dropped), masked to the dialogue's own turns, then a pre-norm MLP. The layers that write
+that context start at zero, so a freshly built memory reads any dialogue as its latest utterance, and a
+dialogue of one utterance as the static instruction: training adds the earlier turns only where they help
+(a memory whose tokens came from the pooling alone made the static pick task's BC fall from 0.985 to 0.525
+on validation, docs/experiments.md 2026-12-07).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpolicy.encoders.attention import AttentionBlock
+from diffpolicy.encoders.attention import Attention
 from diffpolicy.encoders.text import EMBED_DIM, TextEncoder
 
 TURN_SEP = "\n"
@@ -47,7 +51,15 @@ class InstructionMemory(nn.Module):
         self.text = TextEncoder(token_dim, backend=backend)
         self.recency = nn.Parameter(torch.randn(max_turns, token_dim) * 0.02)
         self.queries = nn.Parameter(torch.randn(k, token_dim) * 0.02)
-        self.pool = AttentionBlock(token_dim, heads)
+        self.norm_q, self.norm_kv = nn.LayerNorm(token_dim), nn.LayerNorm(token_dim)
+        self.attn = Attention(token_dim, heads)
+        self.norm_mlp = nn.LayerNorm(token_dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(token_dim, 4 * token_dim), nn.GELU(), nn.Linear(4 * token_dim, token_dim)
+        )
+        for layer in (self.attn.out, self.mlp[-1]):  # the context starts at zero (module docstring)
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
         self._frozen: dict[
             str, torch.Tensor
         ] = {}  # dialogue -> (T, 384) frozen embeddings, latest turn first
@@ -80,6 +92,9 @@ class InstructionMemory(nn.Module):
         first, T <= ``max_turns``; ``mask`` (B, T) bool, which slots hold a turn (every dialogue >= 1)."""
         device, dtype = self.queries.device, self.text.proj.weight.dtype
         emb, mask = emb.to(device, dtype), mask.to(device)
-        tokens = self.text.proj(emb) + self.recency[: emb.shape[1]]  # (B, T, D)
-        queries = self.queries.expand(emb.shape[0], -1, -1)  # (B, k, D)
-        return self.pool(queries, tokens, mask)  # (B, k, D)
+        tokens = self.text.proj(emb)  # (B, T, D): each utterance's sentence token, the latest first
+        turns = self.norm_kv(tokens + self.recency[: emb.shape[1]])
+        queries = self.norm_q(self.queries).expand(emb.shape[0], -1, -1)  # (B, k, D)
+        context = self.attn(queries, turns, mask)  # (B, k, D)
+        context = context + self.mlp(self.norm_mlp(context))
+        return tokens[:, :1] + context  # (B, k, D)
