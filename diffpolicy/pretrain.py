@@ -87,6 +87,7 @@ def main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
                 "episodes": val.episodes,
                 "first_seed": cfg.val_seed,
                 "failures": val.failures() if val.reports_success else None,
+                "by_kind": val.by_kind() or None,  # MujocoDialogue: per episode kind
             }
     curve = None
     if (run_dir / "metrics.jsonl").is_file() and "reused" not in summary:

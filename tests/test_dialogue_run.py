@@ -30,7 +30,7 @@ TINY = [
     "bc.epochs=1",
     "bc.batch_size=16",
     "eval_episodes=6",
-    "val_episodes=0",
+    "val_episodes=3",
     "log.progress=false",
     "device=cpu",
 ]
@@ -63,6 +63,7 @@ def test_pretrain_reports_each_episode_kind(dialogue_run):
     assert set(kinds) <= {"none", "object", "place"} and sum(v["episodes"] for v in kinds.values()) == 6
     for v in kinds.values():
         assert 0.0 <= v["success_rate"] <= 1.0 and len(v["success_ci"]) == 2
+    assert sum(v["episodes"] for v in summary["val"]["by_kind"].values()) == 3  # choices read these
 
 
 @pytest.mark.parametrize("env_kwargs", [{"dialogue_view": "latest"}, {"phrasings": "heldout"}])
