@@ -102,8 +102,7 @@ def run_expert_episode(env: Any, expert: Any, seed: int) -> tuple[dict[str, Any]
         to L steps (``rgb`` (L, H, W, 3) uint8, ``points`` (L, N, 6), ``state`` (L, Ds); ``instruction`` one
         string, or L strings when it changed during the episode: a dialogue), plus ``target_pos`` (L, 3 k)
         where the env's info reports it (a privileged label) and ``subtask`` (L strings, multi-stage tasks'
-        label); step t holds the observation the expert acted on,
-        the action it took and its reward.
+        label); step t holds the observation the expert acted on, the action it took and its reward.
         ``success`` is None when the environment reports no ``is_success`` (Hopper: returns, no goal).
     """
     obs, info = env.reset(seed=seed)

@@ -183,9 +183,7 @@ def load_selector(path: str | Path, device: str | torch.device = "cpu") -> Subta
 def hierarchy(low: torch.nn.Module, selector_path: str | Path) -> HierarchicalPolicy:
     """The selector at ``selector_path`` above the low-level policy ``low`` (on ``low``'s device)."""
     selector = load_selector(selector_path, next(low.parameters()).device)
-    missing = sorted(
-        set(selector.obs_encoder.modalities) - set(getattr(low, "obs_spec", selector.obs_encoder.modalities))
-    )
+    missing = sorted(set(selector.obs_encoder.modalities) - set(low.obs_spec))
     if missing:
         raise ValueError(f"the selector reads {missing}, which the low-level policy's observation lacks")
     return HierarchicalPolicy(selector, low)

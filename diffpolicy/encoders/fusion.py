@@ -186,8 +186,6 @@ class ObservationEncoder(nn.Module):
             if cfg.use_state:
                 self.encoders["state"] = StateEncoder(self.state_dim, cfg.state_hidden, D)
         if self.use_text:
-            self.text_tokens = cfg.text_memory or 1
-            """Tokens the instruction gives: 1 sentence, or the k tokens of the dialogue's memory."""
             if cfg.text_memory:
                 self.text = InstructionMemory(
                     D, cfg.text_memory, cfg.text_memory_turns, cfg.fusion_heads, backend=text_backend
@@ -218,7 +216,8 @@ class ObservationEncoder(nn.Module):
         self.n_tokens = int(attention) + n_obs_steps * sum(
             getattr(self.encoders[k], "n_tokens", 1) for k in self.modalities
         )
-        text_in = 0 if not self.use_text else D * (self.text_tokens if attention else 1)
+        # the instruction's tokens after attending (k of a dialogue's memory, else 1), or its vector (concat)
+        text_in = 0 if not self.use_text else D * ((cfg.text_memory or 1) if attention else 1)
         out_in = self.n_tokens * D + text_in
         self.head = nn.Linear(out_in, cond_dim)
         self.position_points = cfg.predict_positions
@@ -329,7 +328,7 @@ class ObservationEncoder(nn.Module):
         if "points" not in obs:
             raise KeyError("observation lacks ['points'] that this policy reads its positions from")
         cloud = self._history("points", obs["points"], obs["points"].shape[0])[:, -1]  # (B, N, 3|6): latest
-        text = self._text_vector(q) if q is not None and "points" in self.filmed else None
+        text = q[:, 0] if q is not None and "points" in self.filmed else None
         h, xyz = self.encoders["points"].point_features(cloud, text)
         return h, xyz, text
 
@@ -344,11 +343,13 @@ class ObservationEncoder(nn.Module):
             parts.append(self.state_normalizer.normalize(state.float()).flatten(1))
         parts.append(self.position_normalizer.normalize(positions.to(self.head.weight.device).float()))
         if q is not None:
-            parts.append(self._text_vector(q).float())
+            parts.append(q[:, 0].float())
         return self.act_head(torch.cat(parts, dim=-1))
 
     def _text(self, obs: Mapping[str, Any]) -> torch.Tensor | None:
-        """The instruction's tokens (B, k, D) (k = 1: the sentence; else the dialogue's memory), or None."""
+        """The instruction's tokens (B, k, D) (k = 1: the sentence; else the dialogue's memory), or None. FiLM
+        and the condition read the first: the sentence's token, or the memory's (the latest utterance plus
+        what the dialogue adds)."""
         if not self.use_text:
             return None
         if "instruction" not in obs:
@@ -358,11 +359,6 @@ class ObservationEncoder(nn.Module):
         if self.blank_text:
             instr = [""] * len(instr)
         return self.text(instr)  # (B, k, D)
-
-    def _text_vector(self, q: torch.Tensor) -> torch.Tensor:
-        """The instruction's tokens (B, k, D) as one vector (B, D) where FiLM and the condition read it: the
-        sentence's token, or the memory's first token (the latest utterance plus what the dialogue adds)."""
-        return q[:, 0]
 
     def _history(self, k: str, value: Any, B: int) -> torch.Tensor:
         """obs[k] as (B, n_obs_steps, ...): a missing To axis read as To = 1, a short history padded by
@@ -391,12 +387,11 @@ class ObservationEncoder(nn.Module):
         cond_dim): the condition itself, or what predict-then-act reads the positions from."""
         B = self._batch(obs)
         tokens = []
-        q_vec = None if q is None else self._text_vector(q)  # (B, D)
         for k in self.modalities:
             x = self._history(k, obs[k], B)  # (B, To, ...)
             To = x.shape[1]
             flat = x.reshape(B * To, *x.shape[2:])  # (B To, ...)
-            text = q_vec.repeat_interleave(To, dim=0) if k in self.filmed else None  # (B To, D)
+            text = q[:, 0].repeat_interleave(To, dim=0) if k in self.filmed else None  # (B To, D)
             if k == "state":
                 t = self._ckpt(self.encoders[k], self.state_normalizer.normalize(flat.float()))
             elif k == "rgb":
@@ -420,7 +415,7 @@ class ObservationEncoder(nn.Module):
         out = seq.flatten(1)  # (B, n_tokens D): the readout (attention) and every modality token
         if q is not None:
             if self.readout is None:  # concat: the instruction's vector itself
-                text = q_vec.to(out.dtype)
+                text = q[:, 0].to(out.dtype)
             else:  # attention: the instruction attends to the fused tokens
                 text = self._ckpt(self.cross, q.to(seq.dtype), seq).flatten(1)  # (B, k D)
             out = torch.cat([out, text], dim=-1)

@@ -60,9 +60,8 @@ class InstructionMemory(nn.Module):
         for layer in (self.attn.out, self.mlp[-1]):  # the context starts at zero (module docstring)
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
-        self._frozen: dict[
-            str, torch.Tensor
-        ] = {}  # dialogue -> (T, 384) frozen embeddings, latest turn first
+        self._frozen: dict[str, torch.Tensor] = {}
+        """Dialogue -> its turns' frozen embeddings (T, 384), latest first."""
 
     def turn_embeddings(self, dialogues: list[str] | tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Frozen embeddings of every turn, latest first, (B, T, 384), and which slots hold a turn (B, T) bool;

@@ -100,7 +100,5 @@ class HierarchicalPolicy(nn.Module):
         return [TURN_SEP.join([c, *d.split(TURN_SEP)[1:]]) for c, d in zip(chosen, dialogues)]
 
     def plan(self, obs: Mapping[str, Any], **kwargs: Any) -> Any:
+        """The low-level policy's ``plan`` on :meth:`instructions` (the one sampling path of evaluation)."""
         return self.low.plan({**obs, "instruction": self.instructions(obs)}, **kwargs)
-
-    def sample(self, obs: Mapping[str, Any], **kwargs: Any) -> Any:
-        return self.low.sample({**obs, "instruction": self.instructions(obs)}, **kwargs)

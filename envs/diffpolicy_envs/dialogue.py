@@ -301,14 +301,8 @@ class MujocoDialogueEnv(MujocoPickEnv):
             terminated = self._next_stage()
             if not terminated:
                 info.update(is_success=False, outcome="timed_out", grasp_miss=float("nan"), lost_grip="")
-                cube = self.data.xpos[self.cube_bodies[self.target_id]]
-                info.update(
-                    target_id=self.target_id, target_color=COLORS[self.target_id], target_pos=cube.copy()
-                )
         if self._pending is not None and self.elapsed_steps >= self._speak_at and not terminated:
             self._speak()
-            cube = self.data.xpos[self.cube_bodies[self.target_id]]
-            info.update(target_id=self.target_id, target_color=COLORS[self.target_id], target_pos=cube.copy())
             if "instruction" in obs:
                 obs["instruction"] = self.instruction
             info["instruction"] = self.instruction
@@ -323,12 +317,19 @@ class MujocoDialogueEnv(MujocoPickEnv):
         self.turns.append(utterance)
         self.instruction = self._view()
         if kind == "object":
-            self.target_id = new
-            self._prev_cube = self.data.xpos[self.cube_bodies[new]].copy()  # the reward's goal moves here
-            self._reset_outcome()
+            self._mean(new, self.place_id)
         else:
-            self.place_id = new
-            self.set_place(self.model.body_pos[self.tray_bodies[new]])
+            self._mean(self.target_id, new)
+
+    def _mean(self, cube: int, place: int) -> None:
+        """Make (cube, place) the meaning of the moment: success, the outcome and the reward's goals follow it
+        (a new cube's outcome record starts afresh)."""
+        if cube != self.target_id:
+            self.target_id = cube
+            self._prev_cube = self.data.xpos[self.cube_bodies[cube]].copy()  # the reward's goal moves here
+            self._reset_outcome()
+        self.place_id = place
+        self.set_place(self.model.body_pos[self.tray_bodies[place]])
 
     def _next_stage(self) -> bool:
         """After the current sub-task's success: make the first sub-task whose cube is not (or no longer) in its
@@ -336,16 +337,16 @@ class MujocoDialogueEnv(MujocoPickEnv):
         for i, (cube, place) in enumerate(self.stages):
             touching = self._contacts_with(int(self.cube_geoms[cube]))
             if not self._rests_in(cube, self.model.body_pos[self.tray_bodies[place]], touching):
-                self.stage, self.target_id, self.place_id = i, cube, place
-                self.set_place(self.model.body_pos[self.tray_bodies[place]])
-                self._prev_cube = self.data.xpos[self.cube_bodies[cube]].copy()
-                self._reset_outcome()
+                self.stage = i
+                self._mean(cube, place)
                 return False
         return True
 
     def _dialogue_info(self, info: dict[str, Any]) -> dict[str, Any]:
-        if self.label == "both":
-            info["target_pos"] = np.concatenate([info["target_pos"], self.tray_pos]).astype(np.float64)
+        """MujocoPick's info, its target fields those of the meaning of the moment, plus the dialogue's."""
+        cube = self.data.xpos[self.cube_bodies[self.target_id]].copy()
+        target_pos = np.concatenate([cube, self.tray_pos]) if self.label == "both" else cube
+        info.update(target_id=self.target_id, target_color=COLORS[self.target_id], target_pos=target_pos)
         info.update(
             place_id=self.place_id,
             place_color=PLACES[self.place_id],

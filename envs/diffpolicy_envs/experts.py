@@ -116,8 +116,9 @@ class PickExpert:
         self._target, self._tray = u.target_id, u.tray_pos.copy()
 
     def _follow_correction(self, u: MujocoPickEnv) -> None:
-        """The instruction changed mid-episode (MujocoDialogue): a new object means putting a cube already in
-        the jaws back where it lay, then fetching the new one; a new place redirects a cube being carried."""
+        """Follow a meaning that changed mid-episode (MujocoDialogue; never on MujocoPick): a new object means
+        putting a cube already in the jaws back where it lay, then fetching the new one; a new place redirects
+        a cube being carried."""
         if u.target_id != self._target:
             self._target = u.target_id
             if self.phase in ("lift", "transport", "lower"):
@@ -139,8 +140,7 @@ class PickExpert:
         if u.episode_id != self._episode:
             self._episode = u.episode_id
             self._new_episode(u)
-        if u.target_id != self._target or not np.array_equal(u.tray_pos, self._tray):
-            self._follow_correction(u)
+        self._follow_correction(u)
         cube = u.cube_pos(u.target_id)
         ee = u.ee_pos()
         carrying = self.phase in ("lift", "transport", "lower")
