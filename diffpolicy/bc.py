@@ -151,14 +151,17 @@ def condition_gap(policy: Any, obs: dict[str, Any], actions: torch.Tensor, seed:
 
 
 def fitted_policy(data: Any, policy_cfg: PolicyConfig, text_backend: str) -> Any:
-    """A fresh policy for the demonstrations' observations, its action and state normalisers fitted to them."""
+    """A fresh policy for the demonstrations' observations, its action and state normalisers (and the
+    instruction's standardisation) fitted to them."""
     policy = build_policy(policy_cfg, data.obs_spec, data.action_dim, text_backend=text_backend)
     steps = data.steps()
     state = data.data["state"][steps] if "state" in data.data else None
     positions = None
     if policy_cfg.encoder.predict_positions and data.has_target:  # predict-then-act's labelled positions
         positions = data.target(torch.arange(len(data)))
-    policy.fit_normalizers(actions=data.data["action"][steps], state=state, positions=positions)
+    policy.fit_normalizers(
+        actions=data.data["action"][steps], state=state, positions=positions, instructions=data.texts()
+    )
     return policy
 
 

@@ -111,15 +111,16 @@ TURNS_INPUT, TURNS_MASK = "instruction_turns", "instruction_turns_mask"
 
 # ----------------------------------------------------------------------------------------- the graph
 class _EmbeddedText(nn.Module):
-    """Stands in for the TextEncoder while tracing: the trainable projection applied to a given embedding."""
+    """Stands in for the TextEncoder while tracing: its standardisation and projection applied to a given
+    embedding."""
 
-    def __init__(self, proj: nn.Linear) -> None:
+    def __init__(self, text: nn.Module) -> None:
         super().__init__()
-        self.proj = proj
+        self.text = text
         self.embedding: torch.Tensor | None = None
 
     def forward(self, instructions: list[str]) -> torch.Tensor:
-        return self.proj(self.embedding.to(self.proj.weight.dtype)).unsqueeze(1)  # (B, 1, token_dim)
+        return self.text.project(self.embedding).unsqueeze(1)  # (B, 1, token_dim)
 
 
 class _EmbeddedDialogue(nn.Module):
@@ -172,7 +173,7 @@ class SamplerGraph(nn.Module):
             self.stochastic_steps = [i for i in range(sched.ddim_steps) if float(sched.std[i]) > 0]
         self._text: nn.Module | None = None
         if self.use_text:
-            self._text = _EmbeddedDialogue(enc.text) if self.dialogue else _EmbeddedText(enc.text.proj)
+            self._text = _EmbeddedDialogue(enc.text) if self.dialogue else _EmbeddedText(enc.text)
 
     @property
     def input_names(self) -> list[str]:

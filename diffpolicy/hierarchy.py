@@ -71,6 +71,7 @@ def train_selector(
     )
     if selector.obs_encoder.state_dim:
         selector.obs_encoder.state_normalizer.fit(data.data["state"][data.steps()])
+    selector.obs_encoder.fit_text(data.texts())
     selector = selector.to(device).train()
     batch_size, per_epoch, total, epochs = bc_budget(len(data), bc_cfg)
     optim = adamw(list(selector.parameters()), bc_cfg.lr)

@@ -48,7 +48,7 @@ POLICY_FIELDS_MOVED = ("ft_steps", "ft_fraction", "min_std", "eta")
 checkpoint written before records them in ``config["policy"]``; they are read from there as its sampling."""
 ENCODER_FIELDS_ADDED = (
     "blank_text", "fusion", "predict_positions", "position_noise", "position_head", "text_memory",
-    "text_memory_turns",
+    "text_memory_turns", "text_standardize",
 )  # fmt: skip
 """EncoderConfig fields newer than some checkpoints, treated as :data:`POLICY_FIELDS_ADDED` are."""
 

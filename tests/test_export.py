@@ -94,9 +94,13 @@ def test_multimodal_sampler_matches_pytorch(tmp_path):
     assert np.abs(session.run(["actions"], feed)[0] - a).max() > 1e-3
 
 
-def test_deterministic_export_has_no_step_noise_and_dynamic_batch(tmp_path):
+@pytest.mark.parametrize("standardize", [False, True])
+def test_deterministic_export_has_no_step_noise_and_dynamic_batch(tmp_path, standardize):
     shapes = {"state": [5], "instruction": None}
-    policy = _policy(_tiny_cfg(), shapes)
+    cfg = _tiny_cfg()
+    cfg = dataclasses.replace(cfg, encoder=dataclasses.replace(cfg.encoder, text_standardize=standardize))
+    policy = _policy(cfg, shapes)
+    policy.fit_normalizers(instructions=["pick the red cube", "pick the blue cube", "open the drawer"])
     path = tmp_path / "det.onnx"
     graph, spec = export_onnx(policy, shapes, path, batch_size=1, deterministic=True, dynamic_batch=True)
     assert [i["name"] for i in spec["inputs"]] == ["state", "instruction_embedding", "noise"]
@@ -209,15 +213,19 @@ def test_predict_then_act_policy_exports_with_parity(tmp_path, head):
     assert check_parity(graph, path, spec, seed=3)["max_abs_err"] <= ATOL
 
 
-def test_dialogue_policy_exports_its_memory_with_parity(tmp_path):
+@pytest.mark.parametrize("standardize", [False, True])
+def test_dialogue_policy_exports_its_memory_with_parity(tmp_path, standardize):
     """A policy with an instruction memory: the turns' embeddings and their mask are the graph's text inputs,
-    the memory is in the graph, and dialogues of different lengths in one batch match PyTorch."""
+    the memory (and the embeddings' standardisation) is in the graph, and dialogues of different lengths in
+    one batch match PyTorch."""
     shapes = {"rgb": [16, 16, 3], "points": [64, 3], "state": [5], "instruction": None}
     cfg = _tiny_cfg()
     cfg = dataclasses.replace(
-        cfg, encoder=dataclasses.replace(cfg.encoder, text_memory=2, text_memory_turns=4)
-    )
+        cfg, encoder=dataclasses.replace(cfg.encoder, text_memory=2, text_memory_turns=4,
+                                         text_standardize=standardize)
+    )  # fmt: skip
     policy = _policy(cfg, shapes)
+    policy.fit_normalizers(instructions=["put the red cube in the yellow tray", "no, the blue one", "a\nb"])
     with torch.no_grad():  # a fresh U-Net ignores its condition: give the observation a say
         for block in policy.denoiser.res_blocks():
             block.cond_proj.weight.normal_(0.0, 0.5)

@@ -130,6 +130,25 @@ def test_memory_off_reads_one_sentence():
     assert not isinstance(enc.text, InstructionMemory) and enc.text_memory == 0
 
 
+@pytest.mark.parametrize("memory", [2, 0])
+def test_standardisation_is_fitted_to_each_utterance(memory):
+    """With text_standardize the encoder's fit reads the training instructions' utterances (a memory's each
+    turn; one sentence per instruction without it), each distinct one once."""
+    cfg = dataclasses.replace(ENC, text_memory=memory, text_standardize=True)
+    enc = ObservationEncoder(cfg, SPEC, 1, cond_dim=24, text_backend="hash")
+    dialogues = ["put the red cube in the yellow tray", "put the red cube in the yellow tray\nno, the blue one",
+                 "put the green cube in the purple tray"]  # fmt: skip
+    enc.fit_text(dialogues)
+    text = enc.text.text if memory else enc.text
+    units = list(dict.fromkeys(u for d in dialogues for u in d.split(TURN_SEP))) if memory else dialogues
+    torch.testing.assert_close(text.embed_mean, text.embed(units).mean(0))
+    off = ObservationEncoder(
+        dataclasses.replace(cfg, text_standardize=False), SPEC, 1, 24, text_backend="hash"
+    )
+    off.fit_text(dialogues)
+    assert not any("embed_" in k for k in off.state_dict())
+
+
 def test_bad_memory_sizes_fail():
     with pytest.raises(ValueError, match="text_memory"):
         EncoderConfig(text_memory=-1)

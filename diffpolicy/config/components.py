@@ -145,6 +145,10 @@ class EncoderConfig:
     the fusion; 0 embeds the whole instruction as one sentence."""
     text_memory_turns: int = 8
     """Utterances the memory reads, the latest ones."""
+    text_standardize: bool = False
+    """Standardise the frozen sentence embedding per dimension before its projection, by statistics of the
+    demonstrations' distinct instruction sentences (:class:`~diffpolicy.encoders.text.TextEncoder`): what
+    tells one task's instructions apart is otherwise a few hundredths of a unit-norm vector."""
     predict_positions: int | None = None
     """Predict-then-act: with k > 0 the encoder predicts k xyz positions (the demonstrations' ``target_pos``
     label: Meta-World's ``env.kwargs.label=both`` gives the object's and the goal's, k = 2) from the fused

@@ -114,6 +114,14 @@ class DemoWindows:
             )
         return self.data[TARGET_KEY][self.obs_idx[idx, -1]].float().to(device, non_blocking=True)
 
+    def texts(self) -> list[str]:
+        """The distinct instructions the windows serve (``instruction``'s source), in first-seen order; [] when
+        the demonstrations hold none."""
+        if "instruction" not in self.obs_keys:
+            return []
+        ids = dict.fromkeys(int(j) for j in self.data[self.text_field][self.steps()].tolist())
+        return [self.instructions[j] for j in ids]
+
     def subtask(self, idx: torch.Tensor) -> list[str]:
         """The sub-task labels of windows ``idx`` (B,) at step t (multi-stage demonstrations)."""
         if not self.has_subtask:

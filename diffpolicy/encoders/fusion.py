@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from diffpolicy.config import EncoderConfig
 from diffpolicy.encoders.attention import AttentionBlock
-from diffpolicy.encoders.memory import InstructionMemory
+from diffpolicy.encoders.memory import TURN_SEP, InstructionMemory
 from diffpolicy.encoders.pointcloud import PointCloudEncoder, attend_points
 from diffpolicy.encoders.rgb import RGBEncoder
 from diffpolicy.encoders.text import TextEncoder
@@ -188,10 +188,11 @@ class ObservationEncoder(nn.Module):
         if self.use_text:
             if cfg.text_memory:
                 self.text = InstructionMemory(
-                    D, cfg.text_memory, cfg.text_memory_turns, cfg.fusion_heads, backend=text_backend
-                )
+                    D, cfg.text_memory, cfg.text_memory_turns, cfg.fusion_heads, backend=text_backend,
+                    standardize=cfg.text_standardize,
+                )  # fmt: skip
             else:
-                self.text = TextEncoder(D, backend=text_backend)
+                self.text = TextEncoder(D, backend=text_backend, standardize=cfg.text_standardize)
             if cfg.fusion == "attention":
                 self.cross = AttentionBlock(D, cfg.fusion_heads)
         if not self.encoders and not self.use_text:
@@ -345,6 +346,16 @@ class ObservationEncoder(nn.Module):
         if q is not None:
             parts.append(q[:, 0].float())
         return self.act_head(torch.cat(parts, dim=-1))
+
+    def fit_text(self, instructions: list[str]) -> None:
+        """Fit the instruction's standardisation (``encoder.text_standardize``) to the training instructions:
+        each utterance of a dialogue (memory) or each whole instruction (one sentence). No-op otherwise."""
+        if not self.use_text:
+            return
+        if self.text_memory:
+            self.text.text.fit([u for d in instructions for u in d.split(TURN_SEP)])
+        else:
+            self.text.fit(instructions)
 
     def _text(self, obs: Mapping[str, Any]) -> torch.Tensor | None:
         """The instruction's tokens (B, k, D) (k = 1: the sentence; else the dialogue's memory), or None. FiLM

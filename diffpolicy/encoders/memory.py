@@ -39,16 +39,20 @@ class InstructionMemory(nn.Module):
         max_turns: utterances read, the latest ones (the recency embeddings' count).
         heads: attention heads of the pooling block.
         backend: the frozen sentence encoder (``minilm`` or ``hash``, :mod:`diffpolicy.encoders.text`).
+        standardize: standardise each utterance's embedding (:class:`~diffpolicy.encoders.text.TextEncoder`).
     """
 
-    def __init__(self, token_dim: int, k: int, max_turns: int = 8, heads: int = 4, backend: str = "minilm"):
+    def __init__(
+        self, token_dim: int, k: int, max_turns: int = 8, heads: int = 4, backend: str = "minilm",
+        standardize: bool = False,
+    ):  # fmt: skip
         super().__init__()
         if k < 1 or max_turns < 1:
             raise ValueError(
                 f"an instruction memory needs k >= 1 tokens and max_turns >= 1, got {k}, {max_turns}"
             )
         self.k, self.max_turns = k, max_turns
-        self.text = TextEncoder(token_dim, backend=backend)
+        self.text = TextEncoder(token_dim, backend=backend, standardize=standardize)
         self.recency = nn.Parameter(torch.randn(max_turns, token_dim) * 0.02)
         self.queries = nn.Parameter(torch.randn(k, token_dim) * 0.02)
         self.norm_q, self.norm_kv = nn.LayerNorm(token_dim), nn.LayerNorm(token_dim)
@@ -91,7 +95,7 @@ class InstructionMemory(nn.Module):
         first, T <= ``max_turns``; ``mask`` (B, T) bool, which slots hold a turn (every dialogue >= 1)."""
         device, dtype = self.queries.device, self.text.proj.weight.dtype
         emb, mask = emb.to(device, dtype), mask.to(device)
-        tokens = self.text.proj(emb)  # (B, T, D): each utterance's sentence token, the latest first
+        tokens = self.text.project(emb)  # (B, T, D): each utterance's sentence token, the latest first
         turns = self.norm_kv(tokens + self.recency[: emb.shape[1]])
         queries = self.norm_q(self.queries).expand(emb.shape[0], -1, -1)  # (B, k, D)
         context = self.attn(queries, turns, mask)  # (B, k, D)

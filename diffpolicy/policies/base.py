@@ -116,16 +116,20 @@ class PolicyBase(nn.Module):
         actions: torch.Tensor | None = None,
         state: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        instructions: list[str] | None = None,
     ) -> None:
-        """Fit min/max of actions (..., Da) and proprioception (..., Ds) from demonstration data, and with
+        """Fit min/max of actions (..., Da) and proprioception (..., Ds) from demonstration data, with
         predict-then-act of the labelled positions (..., 3 k) m (each range at least
-        :data:`~diffpolicy.encoders.fusion.POSITION_MIN_SPAN`)."""
+        :data:`~diffpolicy.encoders.fusion.POSITION_MIN_SPAN`), and with ``encoder.text_standardize`` the
+        instruction's standardisation to the distinct ``instructions``."""
         if actions is not None:
             self.action_normalizer.fit(actions)
         if state is not None and self.obs_encoder.state_dim:
             self.obs_encoder.state_normalizer.fit(state)
         if positions is not None and self.obs_encoder.position_points:
             self.obs_encoder.position_normalizer.fit(positions, min_span=POSITION_MIN_SPAN)
+        if instructions:
+            self.obs_encoder.fit_text(instructions)
 
     @property
     def device(self) -> torch.device:
