@@ -92,7 +92,7 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.selector:  # a multi-stage task's hierarchy: the selector names the sub-task the policy acts on
         from diffpolicy.hierarchy import hierarchy
 
-        policy = hierarchy(policy, cfg.selector)
+        policy = hierarchy(policy, cfg.selector, person=cfg.correct)
     runtime.manual_seed(cfg.eval_seed)
     num_envs = min(env_cfg.num_envs, cfg.n_episodes)  # the waves: the order sampled noise is drawn in
     result = evaluation.evaluate(
@@ -127,6 +127,12 @@ def main(cfg: EvaluateConfig, run_dir: Path) -> dict[str, Any]:
         **({"selector": cfg.selector} if cfg.selector else {}),  # the hierarchy's high level
         **({"n_action_steps": cfg.n_action_steps} if cfg.n_action_steps is not None else {}),
     }
+    if cfg.correct:  # the success above had a person correcting the selector: say so, keep what was said
+        from diffpolicy.hierarchy import write_corrections
+
+        path = write_corrections(policy.corrections, run_dir / "corrections", env_cfg)
+        summary["person"] = {"decisions": policy.decisions, "corrected": len(policy.corrections),
+                             "corrections": None if path is None else str(path)}  # fmt: skip
     if cfg.reachability_tries > 0:
         failed_at = [i for i, ok in enumerate(result.successes) if not ok]
         failed = [cfg.eval_seed + i for i in failed_at]

@@ -199,7 +199,9 @@ def evaluate(
     not depend on the global RNG: one policy scores the same wherever it is evaluated. A policy that acts per
     control step (``acts_per_step``: base + residual) runs on control-step environments through
     :func:`evaluate_steps` with its deterministic correction (no exploration).
-    Each episode's final ``info["outcome"]`` and ``info["grasp_miss"]`` are kept (the failure map).
+    Each episode's final ``info["outcome"]`` and ``info["grasp_miss"]`` are kept (the failure map). A policy
+    with a ``listen(info, active)`` method (a hierarchy's simulated person) is handed the vector env's info
+    after every reset and step, with which environments are still in the episode being judged.
     """
     if seeds is not None:
         n_episodes = len(seeds)
@@ -219,12 +221,15 @@ def evaluate(
     gen = torch.Generator(device=device).manual_seed(seed)
     rng = np.random.default_rng(seed)
     record = EpisodeRecord(num_envs)
+    listen = getattr(policy, "listen", None)  # a hierarchy's simulated person watches the env's info
     try:
         for start in range(0, n_episodes, num_envs):
             wave = all_seeds[start : start + num_envs]
             live = np.arange(num_envs) < len(wave)
-            obs, _ = venv.reset(seed=wave + [wave[-1]] * (num_envs - len(wave)))
+            obs, info = venv.reset(seed=wave + [wave[-1]] * (num_envs - len(wave)))
             record.begin(live)
+            if listen is not None:
+                listen(info, ~record.done)
             while not record.wave_done:
                 actions, _ = act(
                     policy, to_policy_obs(obs, device), deterministic=deterministic, autocast=autocast,
@@ -234,6 +239,8 @@ def evaluate(
                     actions = exploration.apply(actions, rng)
                 obs, reward, term, trunc, info = venv.step(actions)
                 record.step(reward, term, trunc, info, step_info(info, "executed", num_envs, n_action_steps))
+                if listen is not None:
+                    listen(info, ~record.done)
             record.end()
     finally:
         venv.close()

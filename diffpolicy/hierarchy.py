@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from diffpolicy import checkpoint
 from diffpolicy.bc import adamw, bc_budget, cosine_with_warmup
 from diffpolicy.config import BCConfig, EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.data.dataset import SUBTASK_KEY, DemoWriter
 from diffpolicy.data.windows import DemoWindows
 from diffpolicy.device import Runtime
 from diffpolicy.logger import Logger
@@ -43,28 +45,31 @@ def train_selector(
     run_dir: str | Path,
     seed: int,
     *,
+    corrections: list[str] | tuple[str, ...] = (),
     text_backend: str = "minilm",
     extra: dict[str, Any] | None = None,
 ) -> tuple[SubtaskSelector, dict[str, Any]]:
-    """Train a :class:`SubtaskSelector` on the demonstrations' sub-task labels.
+    """Train a :class:`SubtaskSelector` on the demonstrations' sub-task labels, and on a person's corrections.
 
     Every stored step of a kept episode is one example (its observation at To = 1 and its ``subtask`` label);
-    the vocabulary is the labels' distinct strings, sorted. ``bc.epochs`` / ``bc.steps`` / ``bc.batch_size`` /
+    the vocabulary is the labels' distinct strings (the corrections' included), sorted. ``corrections`` (datasets written by
+    :func:`write_corrections`) join the examples: each corrected decision with the sub-task the person meant
+    (Yell At Your Robot's loop: the high level learns again from what it was corrected on). ``bc.epochs`` / ``bc.steps`` / ``bc.batch_size`` /
     ``bc.lr`` set the budget as for BC; the encoders are ``policy.encoder``'s, their output ``policy.cond_dim``
     wide; RGB is randomly shifted in training as in BC. Logs ``losses/selector`` and ``train/selector_accuracy``
     (the batch's) and saves ``<run_dir>/checkpoints`` with the weights as ``"selector"``.
 
     Returns:
         ``(selector, metrics)``: the selector in eval mode and ``{"final_loss", "train_accuracy", "epochs",
-        "steps", "vocabulary", "n_windows", "n_episodes", "checkpoint", "wall_time_s"}``.
+        "steps", "vocabulary", "n_windows", "n_corrections", "n_episodes", "checkpoint", "wall_time_s"}``.
     """
     t0 = time.perf_counter()
     runtime.manual_seed(seed)
     device = runtime.device
     data = DemoWindows(demos_path, 1, 1)
-    every = torch.arange(len(data))
-    labels = data.subtask(every)
-    vocabulary = sorted(set(labels))
+    pool = _Pool([data, *(_corrections(path, data) for path in corrections)])
+    labels = [s for part in pool.parts for s in part.subtask(torch.arange(len(part)))]
+    vocabulary = sorted(set(labels))  # a correction may name a sub-task the demonstrations never did
     target = torch.tensor([vocabulary.index(s) for s in labels])  # (N,)
     selector = SubtaskSelector(
         policy_cfg.encoder, data.obs_spec, vocabulary, policy_cfg.cond_dim, text_backend
@@ -73,7 +78,7 @@ def train_selector(
         selector.obs_encoder.state_normalizer.fit(data.data["state"][data.steps()])
     selector.obs_encoder.fit_text(data.texts())
     selector = selector.to(device).train()
-    batch_size, per_epoch, total, epochs = bc_budget(len(data), bc_cfg)
+    batch_size, per_epoch, total, epochs = bc_budget(len(pool), bc_cfg)
     optim = adamw(list(selector.parameters()), bc_cfg.lr)
     warmup = max(1, int(WARMUP_FRACTION * total))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: cosine_with_warmup(s, total, warmup))
@@ -81,11 +86,11 @@ def train_selector(
     step, loss_sum, hits, seen = 0, 0.0, 0, 0
     bar = iter(logger.progress(range(total), total=total, desc="selector"))
     for _ in range(epochs):
-        order = torch.randperm(len(data), generator=gen)
+        order = torch.randperm(len(pool), generator=gen)
         for b in range(min(per_epoch, total - step)):
             next(bar, None)
-            idx = order[b * batch_size : (b + 1) * batch_size]
-            obs, _ = data.batch(idx, device)
+            idx = order[b * batch_size : (b + 1) * batch_size].sort().values
+            obs = pool.batch(idx, device)
             with runtime.autocast():
                 logits = selector.head(selector.obs_encoder(obs, True, gen))
             loss = F.cross_entropy(logits.float(), target[idx].to(device))
@@ -111,13 +116,73 @@ def train_selector(
         "steps": step,
         "vocabulary": vocabulary,
         "n_windows": len(data),
+        "n_corrections": len(pool) - len(data),
         "n_episodes": data.n_episodes,
     }
+    sources = {"demos": str(demos_path), "corrections": [str(c) for c in corrections]}
     path = save_selector(Path(run_dir) / "checkpoints", selector, env_cfg, policy_cfg, data.obs_spec, step,
-                         metrics, {"demos": str(demos_path), "seed": seed, **(extra or {})},
+                         metrics, {**sources, "seed": seed, **(extra or {})},
                          text_backend=text_backend)  # fmt: skip
     metrics.update(checkpoint=str(path), wall_time_s=round(time.perf_counter() - t0, 2))
     return selector, metrics
+
+
+class _Pool:
+    """Windows of several datasets as one index: i < len(parts[0]) in the first, the next ones in the second..."""
+
+    def __init__(self, parts: list[DemoWindows]) -> None:
+        self.parts = parts
+        self.starts = [0]
+        for part in parts:
+            self.starts.append(self.starts[-1] + len(part))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def batch(self, idx: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        """The observations (To = 1) of the sorted global indices ``idx``, in that order."""
+        pieces = []
+        for part, lo, hi in zip(self.parts, self.starts, self.starts[1:]):
+            local = idx[(idx >= lo) & (idx < hi)] - lo
+            if len(local):
+                pieces.append(part.batch(local, device)[0])
+        if len(pieces) == 1:
+            return pieces[0]
+        return {
+            k: torch.cat([p[k] for p in pieces]) if torch.is_tensor(pieces[0][k]) else sum((p[k] for p in pieces), [])
+            for k in pieces[0]
+        }  # fmt: skip
+
+
+def _corrections(path: str | Path, demos: DemoWindows) -> DemoWindows:
+    """A corrections dataset as windows, checked against the demonstrations it joins."""
+    data = DemoWindows(path, 1, 1)
+    if data.obs_spec != demos.obs_spec:
+        raise ValueError(
+            f"corrections at {path} observe {data.obs_spec}, the demonstrations {demos.obs_spec}: "
+            "they come from another task or observation mode"
+        )
+    return data
+
+
+def write_corrections(corrections: list[dict[str, Any]], out: str | Path, env_cfg: EnvConfig) -> Path | None:
+    """A person's corrections (:attr:`HierarchicalPolicy.corrections`) as a dataset that
+    ``pretrain policy=selector selector_corrections=[...]`` trains on: each corrected decision one
+    one-step episode (its observation, the dialogue, the first action taken and, as its ``subtask`` label,
+    the sub-task the person meant). None when there is none to write."""
+    if not corrections:
+        return None
+    writer = DemoWriter(out, env_id=env_cfg.id, attrs={"env": dataclasses.asdict(env_cfg), "corrections": True,
+                                                       "obs_every": 1})  # fmt: skip
+    try:
+        for record in corrections:
+            episode = {k: np.asarray(v)[None] for k, v in record.items() if isinstance(v, np.ndarray)}
+            said = {"instruction": record["instruction"]} if "instruction" in record else {}
+            writer.add_episode({**episode, **said, SUBTASK_KEY: record[SUBTASK_KEY]})
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 @torch.no_grad()
@@ -181,10 +246,11 @@ def load_selector(path: str | Path, device: str | torch.device = "cpu") -> Subta
     return selector.to(device).eval()
 
 
-def hierarchy(low: torch.nn.Module, selector_path: str | Path) -> HierarchicalPolicy:
-    """The selector at ``selector_path`` above the low-level policy ``low`` (on ``low``'s device)."""
+def hierarchy(low: torch.nn.Module, selector_path: str | Path, person: bool = False) -> HierarchicalPolicy:
+    """The selector at ``selector_path`` above the low-level policy ``low`` (on ``low``'s device); ``person``:
+    a simulated person corrects its choices (:class:`HierarchicalPolicy`)."""
     selector = load_selector(selector_path, next(low.parameters()).device)
     missing = sorted(set(selector.obs_encoder.modalities) - set(low.obs_spec))
     if missing:
         raise ValueError(f"the selector reads {missing}, which the low-level policy's observation lacks")
-    return HierarchicalPolicy(selector, low)
+    return HierarchicalPolicy(selector, low, person=person)

@@ -117,8 +117,9 @@ def selector_main(cfg: PretrainConfig, run_dir: Path) -> dict[str, Any]:
     with Logger(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress) as logger:
         demos, made = demonstrations(cfg.env, cfg.bc, cfg.seed, cfg.cache_dir, logger.progress)
         selector, metrics = train_selector(
-            cfg.env, cfg.policy, cfg.bc, demos, runtime, logger, run_dir, cfg.seed
-        )
+            cfg.env, cfg.policy, cfg.bc, demos, runtime, logger, run_dir, cfg.seed,
+            corrections=cfg.selector_corrections,
+        )  # fmt: skip
         summary: dict[str, Any] = {**metrics, "demos": str(demos), "demos_collected": made}
         if (
             cfg.val_episodes > 0

@@ -3,9 +3,11 @@ its choice (and a person's later correction) to the low-level policy, and the co
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from diffpolicy.cli import compose
 from diffpolicy.config import BCConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
 from diffpolicy.demos import collect_demos
 from diffpolicy.device import Runtime
-from diffpolicy.hierarchy import label_accuracy, load_selector, train_selector
+from diffpolicy.hierarchy import label_accuracy, load_selector, train_selector, write_corrections
 from diffpolicy.logger import Logger
 from diffpolicy.policies.selector import HierarchicalPolicy, SubtaskSelector
 
@@ -62,6 +64,48 @@ def test_hierarchy_hands_the_choice_and_later_utterances_to_the_low_level():
     assert policy.horizon == 8 and policy.n_action_steps == 4  # the low level's
 
 
+class _Acting(_Low):
+    """Records what it is asked to act on and answers with actions (B, Te, 2) that name the row."""
+
+    def plan(self, obs, **kwargs):
+        super().plan(obs)
+        b = len(obs["instruction"])
+        return torch.arange(b, dtype=torch.float32).view(b, 1, 1).expand(b, 4, 2).clone(), None
+
+
+def _always_second() -> SubtaskSelector:
+    sel = SubtaskSelector(SMALL.encoder, {"state": [5], "instruction": None}, VOCAB, 32, text_backend="hash")
+    with torch.no_grad():
+        sel.head[-1].weight.zero_()
+        sel.head[-1].bias.copy_(torch.tensor([0.0, 5.0]))
+    return sel
+
+
+def test_a_person_corrects_the_selector_and_the_correction_is_kept():
+    """Where the selector names another sub-task than the one the task is at, the person's overrides it (the
+    low level acts on it) and the decision is kept with the meant sub-task; agreeing and finished
+    environments are left alone, and without the person nothing is corrected."""
+    task = "put the red cube in the yellow tray, then the blue cube in the purple tray"
+    obs = {"state": torch.arange(15.0).view(3, 1, 5), "instruction": [task] * 3}
+    info = {"subtask": np.array([VOCAB[0], VOCAB[1], VOCAB[0]], dtype=object)}
+    low = _Acting()
+    policy = HierarchicalPolicy(_always_second(), low, person=True)
+    policy.listen(info, np.array([True, True, False]))  # the third env's episode is over
+    policy.plan(obs)
+    assert low.seen == [[VOCAB[0], VOCAB[1], VOCAB[1]]]
+    assert policy.decisions == 2 and len(policy.corrections) == 1
+    kept = policy.corrections[0]
+    assert kept["subtask"] == VOCAB[0] and kept["chosen"] == VOCAB[1] and kept["instruction"] == task
+    np.testing.assert_array_equal(kept["state"], np.arange(5.0))  # the first env's observation
+    np.testing.assert_array_equal(kept["action"], [0.0, 0.0])  # and the first action it took
+    with pytest.raises(ValueError, match="subtask"):
+        policy.listen({}, np.ones(3, dtype=bool))
+    quiet = HierarchicalPolicy(_always_second(), _Acting())
+    quiet.listen(info, np.ones(3, dtype=bool))
+    quiet.plan(obs)
+    assert quiet.low.seen == [[VOCAB[1]] * 3] and quiet.corrections == [] and quiet.decisions == 0
+
+
 @pytest.fixture(scope="module")
 def stage_demos(tmp_path_factory):
     root = tmp_path_factory.mktemp("stages")
@@ -103,6 +147,47 @@ def test_selector_learns_the_sub_task_labels(stage_demos, tmp_path):
     assert again.select(obs) == selector.select(obs) and again.vocabulary == selector.vocabulary
 
 
+def test_corrections_teach_the_selector_what_the_person_meant(stage_demos, tmp_path):
+    """Direction: corrected decisions (other seeds' observations, each with a sub-task the person insists
+    on) join the demonstrations; the selector trained with them names that sub-task on those observations,
+    where the one trained on the demonstrations alone does not."""
+    from diffpolicy.data.windows import DemoWindows
+
+    _, train, val = stage_demos
+    data = DemoWindows(val, 1, 1)
+    idx = torch.arange(0, len(data), 4)
+    obs, _ = data.batch(idx)
+    truth = data.subtask(idx)
+    vocabulary = sorted(set(DemoWindows(train, 1, 1).subtask(torch.arange(len(DemoWindows(train, 1, 1))))))
+    meant = [next(v for v in vocabulary if v != t) for t in truth]  # never the demonstrations' label
+    records = [
+        {"state": obs["state"][i, -1].numpy(), "subtask": m, "action": np.zeros(4, dtype=np.float32)}
+        for i, m in enumerate(meant)
+    ]  # fmt: skip (state observations: no instruction)
+    path = write_corrections(records, tmp_path / "corrections", STAGES_STATE)
+    assert write_corrections([], tmp_path / "none", STAGES_STATE) is None
+    bc = BCConfig(epochs=40, batch_size=64, lr=3e-3, n_demos=6)
+    picks = {}
+    for name, corrections in (("alone", ()), ("corrected", (str(path),))):
+        torch.manual_seed(0)
+        with Logger(tmp_path / name, tensorboard=False, progress=False) as log:
+            sel, metrics = train_selector(STAGES_STATE, SMALL, bc, train, CPU, log, tmp_path / name, seed=0,
+                                          corrections=corrections, text_backend="hash")  # fmt: skip
+        assert metrics["n_corrections"] == len(corrections) * len(records)
+        picks[name] = sum(a == m for a, m in zip(sel.select(obs), meant)) / len(meant)
+    assert picks["corrected"] >= 0.8 and picks["alone"] <= 0.2, picks
+    assert meant[0] in metrics["vocabulary"]
+    other = write_corrections(
+        [{**records[0], "points": np.zeros((4, 3), np.float32)}], tmp_path / "o", STAGES_STATE
+    )
+    with (
+        Logger(tmp_path / "c", tensorboard=False, progress=False) as log,
+        pytest.raises(ValueError, match="observe"),
+    ):
+        train_selector(STAGES_STATE, SMALL, bc, train, CPU, log, tmp_path / "c", seed=0, corrections=[str(other)],
+                       text_backend="hash")  # fmt: skip
+
+
 def test_a_policy_checkpoint_is_not_a_selector(tmp_path):
     from diffpolicy import checkpoint
 
@@ -138,4 +223,19 @@ def test_stages_commands_end_to_end(tmp_path, monkeypatch):
     )
     summary = evaluate.main(cfg, run)
     assert summary["selector"] == sel["checkpoint"] and set(summary["by_kind"]) == {"stages"}
-    assert os.path.isdir(tmp_path / "low")
+    assert os.path.isdir(tmp_path / "low") and "person" not in summary
+    # a person corrects the selector; what it said trains the selector again
+    run = tmp_path / "corrected"
+    run.mkdir()
+    summary = evaluate.main(dataclasses.replace(cfg, correct=True, split="val"), run)
+    person = summary["person"]
+    assert person["decisions"] >= 2 and 0 <= person["corrected"] <= person["decisions"]
+    if person["corrected"]:
+        again = pretrain.main(compose("pretrain", [*TINY, "policy=selector", cache,
+                                                   f"selector_corrections=[{person['corrections']}]"]),
+                              tmp_path / "sel2")  # fmt: skip
+        assert again["n_corrections"] == person["corrected"]
+    with pytest.raises(ValueError, match="selector=PATH"):
+        EvaluateConfig(checkpoint="x", correct=True)
+    with pytest.raises(ValueError, match="policy=selector"):
+        compose("pretrain", [*TINY, "selector_corrections=[x]"])

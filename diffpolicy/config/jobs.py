@@ -211,6 +211,9 @@ class PretrainConfig:
     """As ``train``'s: the named protocol BC is judged under ('' = the learner's own)."""
     report_protocols: list[str] = field(default_factory=list)
     """As ``train``'s: more protocols BC is also evaluated under on the test split (summary ``protocols``)."""
+    selector_corrections: list[str] = field(default_factory=list)
+    """``policy=selector`` only: datasets of a person's corrections of a selector (``evaluate selector=...
+    correct=true`` writes one) that join the demonstrations' sub-task labels in training."""
 
     def __post_init__(self) -> None:
         if isinstance(self.env, EnvConfig):  # first: the replace below would make the derived values set ones
@@ -223,6 +226,8 @@ class PretrainConfig:
         _positive("eval_episodes", self.eval_episodes, allow_zero=True)
         check_splits(self.val_seed, self.val_episodes, self.eval_seed, self.eval_episodes)
         check_protocols(self.eval_protocol, self.report_protocols, self.eval_deterministic)
+        if self.selector_corrections and getattr(self.policy, "kind", "") != "selector":
+            raise ValueError("selector_corrections train a sub-task selector: add policy=selector")
         if self.demos and isinstance(self.bc, BCConfig) and self.bc.demos != self.demos:
             if self.bc.demos:
                 raise ValueError(
@@ -271,6 +276,12 @@ class EvaluateConfig:
     selector: str = ""
     """A sub-task selector's checkpoint (``pretrain policy=selector``): evaluate the hierarchy of it above
     ``checkpoint`` (the low-level policy, cloned with ``bc.instruction=subtask``) on a multi-stage task."""
+    correct: bool = False
+    """With ``selector``: a simulated person corrects the selector wherever it names another sub-task than the
+    one the task is at (the environment's ``info["subtask"]``), as in Yell At Your Robot; the success is then
+    the hierarchy's with that person in the loop (summary ``person``: decisions watched, corrections), and
+    the corrected decisions are written to ``<run dir>/corrections`` for ``pretrain policy=selector
+    selector_corrections=[...]``. Run it on seeds nothing is judged on (``eval_seed``)."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     """Environment keyword arguments changed for this evaluation only, over the checkpoint's ``env.kwargs``
     (``+env_kwargs.state_noise=0.015`` evaluates a Meta-World state policy with its positions off by that
@@ -298,6 +309,8 @@ class EvaluateConfig:
         _positive("reachability_tries", self.reachability_tries, allow_zero=True)
         _positive("explore_std", self.explore_std, allow_zero=True)
         _choice("explore_hold", self.explore_hold, ("step", "chunk"))
+        if self.correct and not self.selector:
+            raise ValueError("correct=true corrects a selector's choices: give selector=PATH")
         _positive("n_episodes", self.n_episodes)
         if self.num_envs is not None:
             _positive("num_envs", self.num_envs)

@@ -14,12 +14,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from diffpolicy.config import EncoderConfig
 from diffpolicy.encoders.fusion import ObservationEncoder
 from diffpolicy.encoders.memory import TURN_SEP
+
+SUBTASK_INFO = "subtask"
+"""The ``info`` key of a multi-stage environment's current sub-task (``diffpolicy_envs.dialogue``)."""
 
 
 class SubtaskSelector(nn.Module):
@@ -77,14 +81,41 @@ class HierarchicalPolicy(nn.Module):
     over when its cube lies in its tray). The low-level policy reads the chosen sub-task, then the utterances
     said after the task's instruction (a person's correction overrides the choice).
 
+    With ``person`` a simulated person watches as in Yell At Your Robot (Shi et al., RSS 2024): evaluation
+    hands it each environment's ``info`` (:meth:`listen`); at a decision where the selector names another
+    sub-task than the one the task is at (``info["subtask"]``, what the person means), the person's sub-task
+    overrides the choice and the decision is kept in :attr:`corrections` (the observation's last step, the
+    dialogue, the corrected sub-task, the first action taken), to train the selector on again
+    (:func:`diffpolicy.hierarchy.write_corrections`, ``pretrain policy=selector selector_corrections=...``).
+
     Args:
         selector: a trained :class:`SubtaskSelector`.
         low: the low-level policy (a diffusion policy trained on sub-task instructions, ``bc.instruction=subtask``).
+        person: a simulated person corrects the selector (above).
     """
 
-    def __init__(self, selector: SubtaskSelector, low: nn.Module) -> None:
+    def __init__(self, selector: SubtaskSelector, low: nn.Module, person: bool = False) -> None:
         super().__init__()
         self.selector, self.low = selector, low
+        self.person = person
+        self.decisions = 0
+        """Decisions the person watched (environments still in their episode)."""
+        self.corrections: list[dict[str, Any]] = []
+        self._meant: list[str] | None = None
+        self._active: np.ndarray | None = None
+
+    def listen(self, info: Mapping[str, Any], active: np.ndarray) -> None:
+        """What the person sees after a reset or a step of B environments: ``info`` (a vector env's, whose
+        ``subtask`` is each one's current sub-task) and ``active`` (B,) bool, the environments still in the
+        episode being judged. A no-op without ``person``."""
+        if not self.person:
+            return
+        meant = info.get(SUBTASK_INFO)
+        if meant is None:
+            raise ValueError(
+                f"the environment's info has no {SUBTASK_INFO!r}: a person corrects a multi-stage task"
+            )
+        self._meant, self._active = [str(m) for m in meant], np.asarray(active, dtype=bool)
 
     def __getattr__(self, name: str) -> Any:  # horizon, n_action_steps, obs_spec, ...: the low level's
         try:
@@ -93,12 +124,31 @@ class HierarchicalPolicy(nn.Module):
             return getattr(self._modules["low"], name)
 
     def instructions(self, obs: Mapping[str, Any]) -> list[str]:
-        """What the low-level policy reads: each observation's chosen sub-task, then the utterances said after
-        the task's instruction."""
+        """What the low-level policy reads: each observation's chosen sub-task (the person's where it corrects
+        the choice), then the utterances said after the task's instruction."""
         dialogues = [str(d) for d in obs["instruction"]]
+        return [TURN_SEP.join([c, *d.split(TURN_SEP)[1:]]) for c, d in zip(self._choose(obs), dialogues)]
+
+    def _choose(self, obs: Mapping[str, Any]) -> list[str]:
         chosen = self.selector.select(obs)
-        return [TURN_SEP.join([c, *d.split(TURN_SEP)[1:]]) for c, d in zip(chosen, dialogues)]
+        if not self.person or self._meant is None:
+            return chosen
+        for i, (choice, meant) in enumerate(zip(chosen, self._meant)):
+            if not self._active[i] or not meant:
+                continue
+            self.decisions += 1
+            if choice != meant:
+                chosen[i] = meant
+                self.corrections.append({
+                    **{k: v[i, -1].detach().cpu().numpy() for k, v in obs.items() if torch.is_tensor(v)},
+                    "instruction": str(obs["instruction"][i]), SUBTASK_INFO: meant, "chosen": choice, "row": i,
+                })  # fmt: skip
+        return chosen
 
     def plan(self, obs: Mapping[str, Any], **kwargs: Any) -> Any:
         """The low-level policy's ``plan`` on :meth:`instructions` (the one sampling path of evaluation)."""
-        return self.low.plan({**obs, "instruction": self.instructions(obs)}, **kwargs)
+        start = len(self.corrections)
+        actions, out = self.low.plan({**obs, "instruction": self.instructions(obs)}, **kwargs)
+        for record in self.corrections[start:]:  # the first action taken on the person's sub-task
+            record["action"] = actions[record.pop("row"), 0].detach().float().cpu().numpy()
+        return actions, out
