@@ -44,7 +44,9 @@ BC_WEIGHT_DECAY = 1e-6
 BC_FIELDS = {"bc_epochs": "epochs", "bc_batch_size": "batch_size", "bc_lr": "lr", "ema_decay": "ema_decay",
              "n_demos": "n_demos", "bc_max_grad_norm": "max_grad_norm"}  # fmt: skip
 """BCConfig fields that change a BC result (the cache key), under the names the keys were first made with."""
-BC_FIELDS_ADDED = ("noise_draws", "target_aux_weight", "steps", "translate", "translate_state", "instruction")
+BC_FIELDS_ADDED = (
+    "noise_draws", "target_aux_weight", "steps", "translate", "translate_state", "instruction", "mask_unheard",
+)  # fmt: skip
 """BCConfig fields that change a BC result but entered the cache key later: keyed only when not at their
 defaults, so caches written before them stay valid."""
 POLICY_FIELDS_IGNORED = ("init", "compile", "grad_checkpointing")
@@ -223,13 +225,16 @@ def training_batch(
     gen: torch.Generator,
     *,
     with_target: bool,
-) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
-    """Windows ``idx`` as (obs, actions (B, Ta, Da), target (B, 3 k) or None), seen from a scene shifted in x
-    and y by up to ``bc.translate`` (one offset per window, drawn from ``gen``) when that is > 0."""
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Windows ``idx`` as (obs, actions (B, Ta, Da), target (B, 3 k) or None, mask (B, Ta) or None), seen from
+    a scene shifted in x and y by up to ``bc.translate`` (one offset per window, drawn from ``gen``) when
+    that is > 0; ``mask``: with ``bc.mask_unheard`` the chunk steps under an instruction the window has heard
+    (None when all are)."""
     obs, actions = data.batch(idx, device)
     target = data.target(idx, device) if with_target else None
+    mask = data.heard(idx, device) if bc_cfg.mask_unheard else None
     obs, target = shifted_scenes(obs, target, bc_cfg, gen)
-    return obs, actions, target
+    return obs, actions, target, mask
 
 
 def shifted_scenes(
@@ -250,8 +255,10 @@ def shifted_scenes(
 def bc_losses(
     policy: Any, aux: TargetHead | None, obs: dict[str, Any], actions: torch.Tensor,
     target: torch.Tensor | None, bc_cfg: BCConfig, generator: torch.Generator | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(BC loss, auxiliary loss, auxiliary error in m) of one batch; the last two None without ``aux``.
+    ``mask`` (B, Ta) bool: the chunk steps the BC loss is taken on (None: all).
 
     Predict-then-act (``policy.encoder.predict_positions``): the BC loss's condition reads the labelled
     positions ``target`` (B, 3 k) m plus Gaussian noise of std ``policy.encoder.position_noise`` (drawn from
@@ -259,12 +266,12 @@ def bc_losses(
     if policy.obs_encoder.position_points:
         std = policy.cfg.encoder.position_noise
         noisy = target + torch.randn(target.shape, generator=generator).to(target.device) * std
-        loss = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, positions=noisy)
+        loss = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, positions=noisy, mask=mask)
         aux_loss, aux_error = policy.obs_encoder.position_loss(obs, target, augment=policy.training)
         return loss, aux_loss, aux_error
     if aux is None:
-        return policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws), None, None
-    loss, cond = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, return_cond=True)
+        return policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, mask=mask), None, None
+    loss, cond = policy.bc_loss(obs, actions, draws=bc_cfg.noise_draws, return_cond=True, mask=mask)
     aux_loss, aux_error = aux(cond, target)
     return loss, aux_loss, aux_error
 
@@ -427,9 +434,9 @@ def behaviour_cloning(
         for b in range(n_batches):
             next(bar, None)
             idx = order[b * batch_size : (b + 1) * batch_size]
-            obs, actions, target = training_batch(data, idx, device, bc_cfg, gen, with_target=labelled)
+            obs, actions, target, mask = training_batch(data, idx, device, bc_cfg, gen, with_target=labelled)
             with runtime.autocast():
-                loss, aux_loss, aux_error = bc_losses(policy, aux, obs, actions, target, bc_cfg, gen)
+                loss, aux_loss, aux_error = bc_losses(policy, aux, obs, actions, target, bc_cfg, gen, mask)
                 total_loss = loss if aux_loss is None else loss + bc_cfg.target_aux_weight * aux_loss
             optimiser_step(total_loss, params, optim, scaler, bc_cfg.max_grad_norm)
             sched.step()

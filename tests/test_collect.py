@@ -129,6 +129,12 @@ def test_dialogue_demos_record_each_steps_instruction(tmp_path):
     windows = DemoWindows(out["path"], 1, 16)
     obs, _ = windows.batch(torch.tensor([9, 10]))
     assert obs["instruction"] == [texts[9], texts[10]]
+    # bc.mask_unheard: a window's chunk steps after the correction its observation has not heard
+    heard = windows.heard(torch.tensor([0, 5, 10]))
+    expected = torch.ones(3, 16, dtype=torch.bool)
+    expected[0, 10:] = expected[1, 5:] = False
+    assert torch.equal(heard, expected)
+    assert windows.heard(torch.tensor([10, 11])) is None  # all heard
 
 
 def test_stage_demos_record_the_subtask_label(tmp_path):

@@ -5,6 +5,7 @@ and reading the latest utterance only."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diffpolicy.cli import compose
 from diffpolicy.encoders.memory import InstructionMemory
@@ -29,6 +30,7 @@ TINY = [
     "bc.n_demos=3",
     "bc.epochs=1",
     "bc.batch_size=16",
+    "bc.mask_unheard=true",
     "eval_episodes=6",
     "val_episodes=3",
     "log.progress=false",
@@ -40,6 +42,7 @@ def test_env_mujoco_dialogue_composes_the_memory():
     cfg = compose("pretrain", ["env=mujoco_dialogue"])
     assert cfg.env.id == "diffpolicy_envs:MujocoDialogue-v0" and cfg.env.obs_mode == "multimodal"
     assert cfg.policy.encoder.text_memory == 2 and cfg.eval_protocol == "noise_free"
+    assert cfg.policy.encoder.text_standardize
     assert compose("pretrain", ["env=mujoco_pick"]).policy.encoder.text_memory == 0
 
 
@@ -55,6 +58,15 @@ def dialogue_run(tmp_path_factory):
     summary = main(cfg, root / "run")
     yield root, summary
     os.environ.pop("DIFFPOLICY_TEXT_ENCODER", None)
+
+
+def test_the_saved_policy_standardises_with_the_demonstrations_statistics(dialogue_run):
+    from diffpolicy.policy_io import load_policy
+
+    _, summary = dialogue_run
+    policy, _, _ = load_policy(summary["checkpoint"], "cpu")
+    text = policy.obs_encoder.text.text
+    assert text.standardize and not torch.equal(text.embed_std, torch.ones_like(text.embed_std))
 
 
 def test_pretrain_reports_each_episode_kind(dialogue_run):

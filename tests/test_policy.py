@@ -149,6 +149,27 @@ def test_plan_and_action_queue():
     assert q.last is not None and not q.needs_plan
 
 
+def test_chunk_loss_mask_against_a_loop():
+    """bc.mask_unheard's per-window mask: each kept step weighted as the chunk's weights say, the masked ones
+    left out, divided by the kept weight; an all-true mask is the plain chunk loss."""
+    p = make()
+    w = p.chunk_loss_weights()
+    assert w is not None and w[0] == 1.0 and w[-1] < 1.0  # 16-step chunks, 4 executed: the rest weigh less
+    g = torch.Generator().manual_seed(0)
+    elements = torch.rand(B, TA, DA, generator=g)
+    mask = torch.rand(B, TA, generator=g) > 0.4
+    num = den = 0.0
+    for b in range(B):
+        for t in range(TA):
+            if mask[b, t]:
+                num += float(w[t]) * float(elements[b, t].mean())
+                den += float(w[t])
+    torch.testing.assert_close(p.chunk_loss(elements, mask), torch.tensor(num / den))
+    torch.testing.assert_close(
+        p.chunk_loss(elements, torch.ones(B, TA, dtype=torch.bool)), p.chunk_loss(elements)
+    )
+
+
 def test_bc_lowers_loss():
     p = make(seed=1)
     g = torch.Generator().manual_seed(0)

@@ -356,6 +356,11 @@ class BCConfig:
     """What BC reads as the instruction: ``observed`` (the demonstrations' own) or ``subtask`` (the sub-task
     label multi-stage demonstrations record, ``env.kwargs.task=stages``): the low-level policy of a hierarchy,
     which acts on the sub-task instruction a selector (``policy=selector``) names."""
+    mask_unheard: bool = False
+    """No BC loss on a window's chunk steps taken under an instruction its observation has not heard yet (a
+    dialogue's correction said later; with ``instruction=subtask``, the next sub-task): those actions follow a
+    meaning the window cannot know, and trained on they teach a mixture of the two. A no-op where the
+    instruction never changes within an episode."""
     epochs: int | None = None
     """Epochs over the demonstrations (null: derived from ``env.obs_mode``, :data:`OBS_MODE_DEFAULTS`).
     state: 80; on mujoco_pick's imprecise demo set (3040 steps, ~9 min on 2 cores) held-out success was 0.90

@@ -105,6 +105,18 @@ class DemoWindows:
         actions = self.data["action"][self.act_idx[idx]].float().to(device, non_blocking=True)  # (B, Ta, Da)
         return obs, actions
 
+    def heard(self, idx: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """Which chunk steps of windows ``idx`` (B,) act under the instruction the window observes: (B, Ta)
+        bool, False from a step whose instruction differs from step t's (a correction said later; with
+        ``instruction=subtask``, the next sub-task). None when every step is heard (always for a dataset
+        without instructions, or whose instruction never changes)."""
+        if "instruction" not in self.obs_keys:
+            return None
+        text = self.data[self.text_field]
+        now = text[self.obs_idx[idx, -1]]  # (B,)
+        heard = text[self.act_idx[idx]] == now[:, None]  # (B, Ta)
+        return None if bool(heard.all()) else heard.to(device, non_blocking=True)
+
     def target(self, idx: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
         """The privileged label of windows ``idx`` (B,): the labelled positions (B, 3 k) m at step t."""
         if not self.has_target:

@@ -150,13 +150,17 @@ class PolicyBase(nn.Module):
         w[self.exec_slice] = 1.0
         return w
 
-    def chunk_loss(self, elements: torch.Tensor) -> torch.Tensor:
+    def chunk_loss(self, elements: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Per-element BC losses (B, Ta, Da) -> scalar: their mean, each chunk step weighted by
-        :meth:`chunk_loss_weights` (divided by the weights' sum, so the scale stays that of a mean)."""
+        :meth:`chunk_loss_weights` (divided by the weights' sum, so the scale stays that of a mean); ``mask``
+        (B, Ta) bool leaves a window's unmasked steps out (weight 0) and divides by what is left."""
         w = self.chunk_loss_weights()
-        if w is None:
-            return elements.mean()
-        return (elements.mean(dim=(0, 2)) * w.to(elements.dtype)).sum() / w.sum()
+        if mask is None:
+            if w is None:
+                return elements.mean()
+            return (elements.mean(dim=(0, 2)) * w.to(elements.dtype)).sum() / w.sum()
+        weights = mask.to(elements.dtype) * (1.0 if w is None else w.to(elements.dtype))  # (B, Ta)
+        return (elements.mean(dim=2) * weights).sum() / weights.sum().clamp_min(1e-12)
 
     # --------------------------------------------------------------------------------------- encoding
     def encode(

@@ -430,6 +430,7 @@ class DiffusionPolicy(PolicyBase):
         draws: int = 1,
         return_cond: bool = False,
         positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Behaviour-cloning DDPM loss: obs (B, To, ...), actions (B, Ta, Da) env units -> scalar (fp32).
 
@@ -437,7 +438,8 @@ class DiffusionPolicy(PolicyBase):
         draws of its chunk (the denoiser sees B * draws samples): lower-variance gradients for the encoders
         at the denoiser's cost only. The chunk's steps are weighted by :meth:`chunk_loss`. ``return_cond``
         also returns the condition (B, cond_dim), for an auxiliary loss on it. ``positions`` (B, 3 k) m:
-        predict-then-act's condition is computed from these (BC's noised labels), not from perception."""
+        predict-then-act's condition is computed from these (BC's noised labels), not from perception.
+        ``mask`` (B, Ta) bool: the chunk steps the loss is taken on (:meth:`chunk_loss`)."""
         if draws < 1:
             raise ValueError(f"draws={draws} must be >= 1")
         cond = self.encode(obs, positions=positions)
@@ -445,7 +447,9 @@ class DiffusionPolicy(PolicyBase):
         c, x = (
             (cond, x0) if draws == 1 else (cond.repeat_interleave(draws, 0), x0.repeat_interleave(draws, 0))
         )
+        if mask is not None and draws > 1:
+            mask = mask.repeat_interleave(draws, 0)
         loss = self.chunk_loss(
-            ddpm_loss(self.denoiser, x, c, self.schedule, generator=generator, reduction="none")
+            ddpm_loss(self.denoiser, x, c, self.schedule, generator=generator, reduction="none"), mask
         )
         return (loss, cond) if return_cond else loss
