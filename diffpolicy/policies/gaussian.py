@@ -107,14 +107,15 @@ class GaussianPolicy(PolicyBase):
         draws: int = 1,
         return_cond: bool = False,
         positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Negative log-likelihood of the normalised demonstration chunk (B, Ta, Da), averaged with its steps
         weighted by :meth:`chunk_loss`; scalar fp32 (and the condition (B, cond_dim) with ``return_cond``).
-        The likelihood is exact: ``draws`` must be 1. ``positions``: as :meth:`DiffusionPolicy.bc_loss`."""
+        The likelihood is exact: ``draws`` must be 1. ``positions``, ``mask``: as :meth:`DiffusionPolicy.bc_loss`."""
         if draws != 1:
             raise ValueError(f"draws={draws}: the Gaussian policy's loss has no noise to draw again; use 1")
         cond = self.encode(obs, positions=positions)
         mean, std = self.mean_std(cond)
         x = self.action_normalizer.normalize(actions.to(self.device, torch.float32))
-        loss = self.chunk_loss(-normal_log_prob(x, mean, std))
+        loss = self.chunk_loss(-normal_log_prob(x, mean, std), mask)
         return (loss, cond) if return_cond else loss
