@@ -42,7 +42,8 @@ def test_env_mujoco_dialogue_composes_the_memory():
     cfg = compose("pretrain", ["env=mujoco_dialogue"])
     assert cfg.env.id == "diffpolicy_envs:MujocoDialogue-v0" and cfg.env.obs_mode == "multimodal"
     assert cfg.policy.encoder.text_memory == 2 and cfg.eval_protocol == "noise_free"
-    assert cfg.policy.encoder.text_standardize
+    assert cfg.policy.encoder.text_standardize and cfg.bc.mask_unheard
+    assert not compose("pretrain", ["env=mujoco_pick"]).bc.mask_unheard
     assert compose("pretrain", ["env=mujoco_pick"]).policy.encoder.text_memory == 0
 
 
