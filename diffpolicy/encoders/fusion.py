@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from diffpolicy.config import EncoderConfig
 from diffpolicy.encoders.attention import AttentionBlock
-from diffpolicy.encoders.memory import TURN_SEP, InstructionMemory
+from diffpolicy.encoders.memory import InstructionMemory
 from diffpolicy.encoders.pointcloud import PointCloudEncoder, attend_points
 from diffpolicy.encoders.rgb import RGBEncoder
 from diffpolicy.encoders.text import TextEncoder
@@ -350,11 +350,7 @@ class ObservationEncoder(nn.Module):
     def fit_text(self, instructions: list[str]) -> None:
         """Fit the instruction's standardisation (``encoder.text_standardize``) to the training instructions:
         each utterance of a dialogue (memory) or each whole instruction (one sentence). No-op otherwise."""
-        if not self.use_text:
-            return
-        if self.text_memory:
-            self.text.text.fit([u for d in instructions for u in d.split(TURN_SEP)])
-        else:
+        if self.use_text:
             self.text.fit(instructions)
 
     def _text(self, obs: Mapping[str, Any]) -> torch.Tensor | None:

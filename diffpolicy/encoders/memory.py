@@ -87,6 +87,11 @@ class InstructionMemory(nn.Module):
             emb, mask = emb[index], mask[index]
         return emb, mask
 
+    def fit(self, dialogues: list[str] | tuple[str, ...]) -> None:
+        """The utterances' standardisation (``standardize``) fitted to every utterance of the training
+        dialogues (:meth:`TextEncoder.fit <diffpolicy.encoders.text.TextEncoder.fit>`)."""
+        self.text.fit([u for d in dialogues for u in d.split(TURN_SEP)])
+
     def forward(self, dialogues: list[str] | tuple[str, ...]) -> torch.Tensor:
         return self.read(*self.turn_embeddings(dialogues))
 

@@ -19,11 +19,9 @@ import torch
 from torch import nn
 
 from diffpolicy.config import EncoderConfig
+from diffpolicy.data.dataset import SUBTASK_KEY
 from diffpolicy.encoders.fusion import ObservationEncoder
 from diffpolicy.encoders.memory import TURN_SEP
-
-SUBTASK_INFO = "subtask"
-"""The ``info`` key of a multi-stage environment's current sub-task (``diffpolicy_envs.dialogue``)."""
 
 
 class SubtaskSelector(nn.Module):
@@ -110,10 +108,10 @@ class HierarchicalPolicy(nn.Module):
         episode being judged. A no-op without ``person``."""
         if not self.person:
             return
-        meant = info.get(SUBTASK_INFO)
+        meant = info.get(SUBTASK_KEY)
         if meant is None:
             raise ValueError(
-                f"the environment's info has no {SUBTASK_INFO!r}: a person corrects a multi-stage task"
+                f"the environment's info has no {SUBTASK_KEY!r}: a person corrects a multi-stage task"
             )
         self._meant, self._active = [str(m) for m in meant], np.asarray(active, dtype=bool)
 
@@ -141,7 +139,7 @@ class HierarchicalPolicy(nn.Module):
                 chosen[i] = meant
                 self.corrections.append({
                     **{k: v[i, -1].detach().cpu().numpy() for k, v in obs.items() if torch.is_tensor(v)},
-                    "instruction": str(obs["instruction"][i]), SUBTASK_INFO: meant, "chosen": choice, "row": i,
+                    "instruction": str(obs["instruction"][i]), SUBTASK_KEY: meant, "chosen": choice, "row": i,
                 })  # fmt: skip
         return chosen
 
