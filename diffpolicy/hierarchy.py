@@ -71,12 +71,20 @@ def train_selector(
     labels = [s for part in pool.parts for s in part.subtask(torch.arange(len(part)))]
     vocabulary = sorted(set(labels))  # a correction may name a sub-task the demonstrations never did
     target = torch.tensor([vocabulary.index(s) for s in labels])  # (N,)
+    slot_of = torch.cat([data.subtask_order(), torch.full((len(pool) - len(data),), -1)])  # (N,) -1: unknown
+    slots = policy_cfg.plan_slots
+    if slots is None:  # derived: the most sub-tasks a demonstrated episode has
+        slots = int(slot_of.max()) + 1
+    elif slots and int(slot_of.max()) >= slots:
+        raise ValueError(
+            f"a demonstrated episode has {int(slot_of.max()) + 1} sub-tasks, more than policy.plan_slots={slots}"
+        )
     selector = SubtaskSelector(
-        policy_cfg.encoder, data.obs_spec, vocabulary, policy_cfg.cond_dim, text_backend
+        policy_cfg.encoder, data.obs_spec, vocabulary, policy_cfg.cond_dim, text_backend, slots
     )
     if selector.obs_encoder.state_dim:
         selector.obs_encoder.state_normalizer.fit(data.data["state"][data.steps()])
-    selector.obs_encoder.fit_text(data.texts())
+    selector.fit_text(data.texts())
     selector = selector.to(device).train()
     batch_size, per_epoch, total, epochs = bc_budget(len(pool), bc_cfg)
     optim = adamw(list(selector.parameters()), bc_cfg.lr)
@@ -92,8 +100,13 @@ def train_selector(
             idx = order[b * batch_size : (b + 1) * batch_size].sort().values
             obs = pool.batch(idx, device)
             with runtime.autocast():
-                logits = selector.head(selector.obs_encoder(obs, True, gen))
-            loss = F.cross_entropy(logits.float(), target[idx].to(device))
+                if slots:
+                    logits, loss = _planned_loss(
+                        selector, obs, target[idx].to(device), slot_of[idx].to(device), gen
+                    )
+                else:
+                    logits = selector(obs, True, gen)
+                    loss = F.cross_entropy(logits.float(), target[idx].to(device))
             optim.zero_grad(set_to_none=True)
             loss.backward()
             if bc_cfg.max_grad_norm > 0:
@@ -125,6 +138,27 @@ def train_selector(
                          text_backend=text_backend)  # fmt: skip
     metrics.update(checkpoint=str(path), wall_time_s=round(time.perf_counter() - t0, 2))
     return selector, metrics
+
+
+def _planned_loss(
+    selector: SubtaskSelector,
+    obs: dict[str, Any],
+    target: torch.Tensor,
+    order: torch.Tensor,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A planned selector's (:class:`SubtaskSelector` ``plan_slots``) log-probabilities (B, V) and loss on
+    labels ``target`` (B,) at slots ``order`` (B,): where the slot is known (a demonstration's step), the
+    negative log-likelihood of both factors, slot and sub-task in it; where it is not (-1, a person's
+    correction), of the marginal."""
+    slot, plan = selector.factors(obs, True, gen)  # (B, S), (B, S, V)
+    marginal = torch.logsumexp(slot.unsqueeze(-1) + plan, dim=1)  # (B, V)
+    rows = torch.arange(len(target), device=target.device)
+    known = order >= 0
+    at = order.clamp_min(0)
+    joint = slot[rows, at] + plan[rows, at, target]  # (B,)
+    nll = torch.where(known, -joint, -marginal[rows, target])
+    return marginal, nll.mean()
 
 
 class _Pool:
@@ -224,6 +258,7 @@ def save_selector(
             "vocabulary": selector.vocabulary,
             "obs_spec": spec,
             "hidden": int(policy_cfg.cond_dim),
+            "plan_slots": selector.plan_slots,
             "text_backend": text_backend,
         },  # fmt: skip
     )
@@ -240,7 +275,7 @@ def load_selector(path: str | Path, device: str | torch.device = "cpu") -> Subta
     encoder = EncoderConfig(**{k: v for k, v in ckpt.config["policy"]["encoder"].items() if k in names})
     selector = SubtaskSelector(
         encoder, ckpt.extra["obs_spec"], list(ckpt.extra["vocabulary"]), int(ckpt.extra["hidden"]),
-        text_backend=ckpt.extra.get("text_backend", "minilm"),
+        text_backend=ckpt.extra.get("text_backend", "minilm"), plan_slots=int(ckpt.extra.get("plan_slots", 0)),
     )  # fmt: skip
     checkpoint.load_state(selector, ckpt.state["selector"], name="selector")
     return selector.to(device).eval()

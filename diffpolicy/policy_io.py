@@ -37,7 +37,9 @@ from diffpolicy.config import (
     PolicyConfig,
 )
 
-POLICY_FIELDS_ADDED = ("denoiser", "mlp_dims", "unexecuted_weight", "fold", "prediction", "train_kernels")
+POLICY_FIELDS_ADDED = (
+    "denoiser", "mlp_dims", "unexecuted_weight", "fold", "prediction", "train_kernels", "plan_slots",
+)  # fmt: skip
 """PolicyConfig fields newer than some checkpoints: a checkpoint that lacks them gets their defaults (and at
 their defaults they stay out of the BC cache key, :func:`diffpolicy.bc.bc_key`, so older caches stay valid)."""
 POLICY_FIELDS_LEGACY: dict[str, Any] = {"unexecuted_weight": 1.0}

@@ -13,6 +13,7 @@ import torch
 
 from diffpolicy.cli import compose
 from diffpolicy.config import BCConfig, DeviceConfig, EncoderConfig, EnvConfig, PolicyConfig
+from diffpolicy.data.windows import DemoWindows
 from diffpolicy.demos import collect_demos
 from diffpolicy.device import Runtime
 from diffpolicy.hierarchy import label_accuracy, load_selector, train_selector, write_corrections
@@ -117,8 +118,6 @@ def stage_demos(tmp_path_factory):
 def _object_accuracy(selector: SubtaskSelector, demos: str) -> float:
     """How often the selector's sub-task names the cube of the expert's (the privileged state carries the
     current target's one-hot; which tray is yellow it does not)."""
-    from diffpolicy.data.windows import DemoWindows
-
     data = DemoWindows(demos, 1, 1)
     idx = torch.arange(len(data))
     obs, _ = data.batch(idx)
@@ -151,8 +150,6 @@ def test_corrections_teach_the_selector_what_the_person_meant(stage_demos, tmp_p
     """Direction: corrected decisions (other seeds' observations, each with a sub-task the person insists
     on) join the demonstrations; the selector trained with them names that sub-task on those observations,
     where the one trained on the demonstrations alone does not."""
-    from diffpolicy.data.windows import DemoWindows
-
     _, train, val = stage_demos
     data = DemoWindows(val, 1, 1)
     idx = torch.arange(0, len(data), 4)
@@ -186,6 +183,99 @@ def test_corrections_teach_the_selector_what_the_person_meant(stage_demos, tmp_p
     ):
         train_selector(STAGES_STATE, SMALL, bc, train, CPU, log, tmp_path / "c", seed=0, corrections=[str(other)],
                        text_backend="hash")  # fmt: skip
+
+
+def test_a_planned_selector_is_the_marginal_over_its_slots():
+    """plan_slots: log p(v) = log sum_s p(s | obs, dialogue) p(v | dialogue, s), against a loop; the plan's
+    factor reads the dialogue alone, so a plan that holds only some sub-tasks keeps every observation's choice
+    among them."""
+    spec = {"state": [5], "instruction": None}
+    sel = SubtaskSelector(SMALL.encoder, spec, [*VOCAB, "put the green cube in the yellow tray"], 32,
+                          text_backend="hash", plan_slots=2).eval()  # fmt: skip
+    obs = {"state": torch.randn(3, 1, 5), "instruction": ["a", "b\nc", "a"]}
+    with torch.no_grad():
+        out = sel(obs)
+        stage = sel.head(sel.obs_encoder(obs)).softmax(-1)  # (B, S)
+        plan = sel.plan_head(sel.plan(sel.dialogues(obs)) + sel.slots).softmax(-1)  # (B, S, V)
+    ref = torch.stack([
+        torch.stack([sum(stage[b, s] * plan[b, s, v] for s in range(2)) for v in range(3)]) for b in range(3)
+    ]).log()  # fmt: skip
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.exp().sum(-1), torch.ones(3))
+    with (
+        torch.no_grad()
+    ):  # a plan that holds the first two sub-tasks: the third never wins, whatever the scene
+        sel.plan_head[-1].weight.zero_()
+        sel.plan_head[-1].bias.copy_(torch.tensor([4.0, 4.0, -8.0]))
+        for _ in range(5):
+            scene = {"state": torch.randn(3, 1, 5) * 10, "instruction": obs["instruction"]}
+            assert set(sel.select(scene)) <= set(VOCAB)
+    with pytest.raises(ValueError, match="instruction"):
+        SubtaskSelector(SMALL.encoder, {"state": [5]}, VOCAB, 32, text_backend="hash", plan_slots=2)
+    with pytest.raises(ValueError, match="policy=selector"):
+        PolicyConfig(plan_slots=2)
+
+
+def test_the_planned_loss_trains_both_factors_where_the_slot_is_known():
+    """Known slot: -(log p(slot) + log p(label | slot)); unknown (-1, a correction): -log of the marginal."""
+    from diffpolicy.hierarchy import _planned_loss
+
+    spec = {"state": [5], "instruction": None}
+    sel = SubtaskSelector(SMALL.encoder, spec, VOCAB, 32, text_backend="hash", plan_slots=2).eval()
+    obs = {"state": torch.randn(2, 1, 5), "instruction": ["a", "b"]}
+    gen = torch.Generator().manual_seed(0)
+    target, at = torch.tensor([1, 0]), torch.tensor([1, -1])
+    marginal, loss = _planned_loss(sel, obs, target, at, gen)
+    slot, plan = sel.factors(obs)
+    want = -(slot[0, 1] + plan[0, 1, 1]) - torch.logsumexp(slot[1] + plan[1, :, 0], 0)
+    torch.testing.assert_close(loss, want / 2)
+    torch.testing.assert_close(marginal, sel(obs))
+
+
+def _plans_dataset(path: Path, plans: dict[str, tuple[str, str]], episodes: int, seed: int) -> str:
+    """Episodes of two sub-tasks: each step's state is the episode's own random scene (8 numbers, the same at
+    every step, which a classifier can learn an episode by) and its progress (0 before the first sub-task is
+    done, 1 after); its label the planned sub-task of that progress."""
+    from diffpolicy.data.dataset import DemoWriter
+
+    rng = np.random.default_rng(seed)
+    writer = DemoWriter(path, env_id="plans", attrs={"obs_every": 1})
+    names = sorted(plans)
+    for e in range(episodes):
+        name = names[e % len(names)]
+        progress = np.repeat([0.0, 1.0], 5)[:, None]
+        state = np.concatenate([np.repeat(rng.normal(size=(1, 8)) * 3, 10, 0), progress], 1)
+        writer.add_episode({"state": state.astype(np.float32), "action": np.zeros((10, 2), np.float32),
+                            "instruction": name, "subtask": [plans[name][int(p)] for p in progress[:, 0]]})  # fmt: skip
+    return str(writer.close())
+
+
+def test_a_planned_selector_reads_the_plan_from_the_words(tmp_path):
+    """Direction: trained on labelled episodes, the planned selector names each new scene's sub-task of its
+    instruction (>= 0.9; 1.0 on 10 of 12 seeds, where the plain classifier reads 0.38-0.67 on 5); the same
+    selector untrained does not (< 0.6). Null plan_slots counts the episodes' sub-tasks."""
+    subtasks = [
+        f"put the {c} cube in the {p} tray" for c in ("red", "green", "blue") for p in ("yellow", "purple")
+    ]
+    rng = np.random.default_rng(0)
+    plans = {f"task {k}": tuple(str(v) for v in rng.choice(subtasks, 2, replace=False)) for k in range(6)}
+    train = _plans_dataset(tmp_path / "train", plans, 24, seed=1)
+    val = _plans_dataset(tmp_path / "val", plans, 12, seed=2)
+    planned = dataclasses.replace(SMALL, plan_slots=None)
+    assert DemoWindows(train, 1, 1).subtask_order().tolist()[:10] == [0] * 5 + [1] * 5
+    accuracy = {}
+    for name, bc in (("untrained", BCConfig(epochs=1, steps=1, batch_size=64, lr=1e-9)),
+                     ("trained", BCConfig(epochs=60, batch_size=64, lr=3e-3))):  # fmt: skip
+        torch.manual_seed(0)
+        with Logger(tmp_path / name, tensorboard=False, progress=False) as log:
+            sel, metrics = train_selector(STAGES_STATE, planned, bc, train, CPU, log,
+                                          tmp_path / name, seed=0, text_backend="hash")  # fmt: skip
+        accuracy[name] = label_accuracy(sel, val)
+    assert accuracy["trained"] >= 0.9 and accuracy["untrained"] < 0.6, accuracy
+    again = load_selector(metrics["checkpoint"])
+    assert again.plan_slots == 2
+    obs, _ = DemoWindows(val, 1, 1).batch(torch.arange(10))
+    torch.testing.assert_close(again(obs), sel(obs))
 
 
 def test_a_policy_checkpoint_is_not_a_selector(tmp_path):

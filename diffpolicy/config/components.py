@@ -210,6 +210,11 @@ class PolicyConfig:
     ``subtask`` labels, :mod:`diffpolicy.hierarchy`)."""
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     """Observation encoders."""
+    plan_slots: int | None = 0
+    """``kind=selector`` only: S > 0 reads the plan from the dialogue alone into S sub-task slots, and the
+    observation only chooses the slot (:class:`~diffpolicy.policies.selector.SubtaskSelector`); S is at least
+    the most sub-tasks a demonstrated episode has. Null: that count. 0: one classifier over the observation
+    and the dialogue together."""
     cond_dim: int = 256
     """Width of the fused conditioning vector fed to every residual block."""
     denoiser: str = "unet"
@@ -281,6 +286,10 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         _choice("policy.kind", self.kind, ("diffusion", "gaussian", "selector"))
         _choice("policy.conditioning", self.conditioning, ("film", "adanorm"))
+        if self.plan_slots is not None:
+            _positive("policy.plan_slots", self.plan_slots, allow_zero=True)
+        if self.plan_slots != 0 and self.kind != "selector":
+            raise ValueError(f"policy.plan_slots={self.plan_slots} is a selector's: add policy=selector")
         _choice("policy.denoiser", self.denoiser, ("unet", "mlp"))
         if not self.mlp_dims or any(d <= 0 for d in self.mlp_dims):
             raise ValueError(f"policy.mlp_dims={self.mlp_dims} must be positive widths")

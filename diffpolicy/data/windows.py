@@ -66,14 +66,16 @@ class DemoWindows:
         keep = [i for i in range(reader.num_episodes) if success[i] is not False]
         if not keep:
             raise ValueError(f"demonstrations at {path} hold no successful episode")
-        obs_idx, act_idx = [], []
-        for i in keep:
+        obs_idx, act_idx, episode = [], [], []
+        for j, i in enumerate(keep):
             start, end = int(reader.episode_starts[i]), int(reader.episode_ends[i])
             t = np.arange(start, end)[:, None]  # (L, 1)
             obs_idx.append(np.maximum(t + np.arange(1 - obs_horizon, 1), start))  # (L, To)
             act_idx.append(np.minimum(t + np.arange(action_horizon), end - 1))  # (L, Ta)
+            episode.append(np.full(end - start, j))
         self.obs_idx = torch.from_numpy(np.concatenate(obs_idx))  # (N, To)
         self.act_idx = torch.from_numpy(np.concatenate(act_idx))  # (N, Ta)
+        self.episode = torch.from_numpy(np.concatenate(episode))  # (N,): each window's kept episode
         self.n_episodes = len(keep)
         self.obs_spec = {
             k: [] if k == "instruction" else list(reader.fields[k]["shape"]) for k in self.obs_keys
@@ -133,6 +135,22 @@ class DemoWindows:
             return []
         ids = dict.fromkeys(int(j) for j in self.data[self.text_field][self.steps()].tolist())
         return [self.instructions[j] for j in ids]
+
+    def subtask_order(self) -> torch.Tensor:
+        """Every window's sub-task's place in its episode (N,) long: 0 for the first sub-task the episode
+        labels, 1 for the next new one, ... (a label met again keeps its first place)."""
+        labels = self.data[SUBTASK_KEY][self.obs_idx[:, -1]] if self.has_subtask else None
+        if labels is None:
+            raise ValueError(f"demonstrations at {self.path} record no {SUBTASK_KEY!r} label")
+        order = torch.empty(len(self), dtype=torch.long)
+        seen: dict[tuple[int, int], int] = {}
+        count: dict[int, int] = {}
+        for w, (e, label) in enumerate(zip(self.episode.tolist(), labels.tolist())):
+            if (e, label) not in seen:
+                seen[e, label] = count.get(e, 0)
+                count[e] = seen[e, label] + 1
+            order[w] = seen[e, label]
+        return order
 
     def subtask(self, idx: torch.Tensor) -> list[str]:
         """The sub-task labels of windows ``idx`` (B,) at step t (multi-stage demonstrations)."""

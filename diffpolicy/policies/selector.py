@@ -7,6 +7,15 @@ above a low-level policy: it chooses once per decision (every Te control steps),
 on the chosen instruction. A person's correction overrides it: the utterances said after the task's instruction follow the chosen sub-task in the
 dialogue the low-level policy reads ("put the red cube in the yellow tray\\nno, the blue one"), as a policy
 trained on mujoco_dialogue's corrections reads them.
+
+With ``plan_slots`` = S > 0 the selector reads the plan from the words and the progress from the scene:
+p(v | obs, dialogue) = sum_s p(s | obs, dialogue) p(v | dialogue, s), where the second factor (which sub-task
+the dialogue puts in slot s) never sees the observation. It cannot learn an episode's sub-task from its scene
+(a plain classifier fits its training episodes that way and then names sub-tasks the instruction does not
+contain, docs/experiments.md 2026-12-07 eighth session); the scene only chooses a slot. Demonstrations say which slot each
+step is at (its sub-task's place in the episode, :meth:`DemoWindows.subtask_order
+<diffpolicy.data.windows.DemoWindows.subtask_order>`), so both factors are trained on their own labels; a
+person's correction, which does not, trains the marginal.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from torch import nn
 from diffpolicy.config import EncoderConfig
 from diffpolicy.data.dataset import SUBTASK_KEY
 from diffpolicy.encoders.fusion import ObservationEncoder
-from diffpolicy.encoders.memory import TURN_SEP
+from diffpolicy.encoders.memory import TURN_SEP, InstructionMemory
 
 
 class SubtaskSelector(nn.Module):
@@ -37,6 +46,8 @@ class SubtaskSelector(nn.Module):
         vocabulary: the V sub-task instructions it chooses from.
         hidden: width of the encoder's output and of the head.
         text_backend: the frozen sentence encoder (``minilm``; ``hash`` for tests).
+        plan_slots: S > 0: the plan is read from the dialogue alone into S slots and the observation chooses
+            the slot (module docstring); 0: one classifier over the observation and the dialogue together.
     """
 
     def __init__(
@@ -46,23 +57,66 @@ class SubtaskSelector(nn.Module):
         vocabulary: list[str],
         hidden: int = 128,
         text_backend: str = "minilm",
+        plan_slots: int = 0,
     ) -> None:
         super().__init__()
         if len(vocabulary) < 2 or len(set(vocabulary)) != len(vocabulary):
             raise ValueError(f"a selector needs >= 2 distinct sub-task instructions, got {vocabulary!r}")
+        if plan_slots < 0:
+            raise ValueError(f"plan_slots must be >= 0, got {plan_slots}")
         self.vocabulary = list(vocabulary)
+        self.plan_slots = plan_slots
         self.obs_encoder = ObservationEncoder(encoder, obs_spec, 1, hidden, text_backend=text_backend)
-        self.head = nn.Sequential(
-            nn.Mish(), nn.Linear(hidden, hidden), nn.Mish(), nn.Linear(hidden, len(vocabulary))
-        )
+        out = plan_slots or len(vocabulary)  # with a plan the observation's head chooses a slot
+        self.head = nn.Sequential(nn.Mish(), nn.Linear(hidden, hidden), nn.Mish(), nn.Linear(hidden, out))
+        if plan_slots:
+            if not self.obs_encoder.use_text:
+                raise ValueError(
+                    "a selector with plan_slots reads its plan from the instruction: the observation has none"
+                )
+            self.plan = InstructionMemory(
+                hidden, plan_slots, encoder.text_memory_turns, encoder.fusion_heads, backend=text_backend,
+                standardize=encoder.text_standardize,
+            )  # fmt: skip
+            self.slots = nn.Parameter(torch.randn(plan_slots, hidden))
+            """Each slot's own embedding: the memory starts every slot at the latest utterance, and slots that
+            start the same get the same gradients, a symmetry this breaks from the first step."""
+            self.plan_head = nn.Sequential(
+                nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.Mish(), nn.Linear(hidden, len(vocabulary))
+            )
 
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def forward(self, obs: Mapping[str, Any], augment: bool = False) -> torch.Tensor:
-        """obs as a policy reads it (tensors (B, 1, ...), ``instruction`` B strings) -> logits (B, V)."""
-        return self.head(self.obs_encoder(obs, augment))
+    def forward(
+        self, obs: Mapping[str, Any], augment: bool = False, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """obs as a policy reads it (tensors (B, 1, ...), ``instruction`` B strings) -> logits (B, V); with a
+        plan, the log-probabilities of the marginal over its slots (module docstring)."""
+        if not self.plan_slots:
+            return self.head(self.obs_encoder(obs, augment, generator))
+        slot, plan = self.factors(obs, augment, generator)
+        return torch.logsumexp(slot.unsqueeze(-1) + plan, dim=1)  # (B, V)
+
+    def factors(
+        self, obs: Mapping[str, Any], augment: bool = False, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A planned selector's two factors, float32 log-probabilities: which slot the observation is at
+        (B, S), and which sub-task each slot of the dialogue's plan holds (B, S, V)."""
+        slot = self.head(self.obs_encoder(obs, augment, generator)).float().log_softmax(-1)
+        plan = self.plan_head(self.plan(self.dialogues(obs)) + self.slots)
+        return slot, plan.float().log_softmax(-1)
+
+    def fit_text(self, dialogues: list[str]) -> None:
+        """Fit the instruction's standardisation (``encoder.text_standardize``) to the training dialogues."""
+        self.obs_encoder.fit_text(dialogues)
+        if self.plan_slots:
+            self.plan.fit(dialogues)
+
+    def dialogues(self, obs: Mapping[str, Any]) -> list[str]:
+        """The B dialogues the plan reads ('' under the encoder's text ablation, ``blank_text``)."""
+        return ["" if self.obs_encoder.blank_text else str(d) for d in obs["instruction"]]
 
     @torch.no_grad()
     def select(self, obs: Mapping[str, Any]) -> list[str]:
