@@ -10,10 +10,10 @@ trained on mujoco_dialogue's corrections reads them.
 
 With ``plan_slots`` = S > 0 the selector reads the plan from the words and the progress from the scene:
 p(v | obs, dialogue) = sum_s p(s | obs, dialogue) p(v | dialogue, s), where the second factor (which sub-task
-the dialogue puts in slot s) never sees the observation. It cannot learn an episode's sub-task from its scene
-(a plain classifier fits its training episodes that way and then names sub-tasks the instruction does not
-contain, docs/experiments.md 2026-12-07 eighth session); the scene only chooses a slot. Demonstrations say which slot each
-step is at (its sub-task's place in the episode, :meth:`DemoWindows.subtask_order
+the dialogue puts in slot s) never sees the observation. It cannot learn an episode's sub-task from its
+scene (a plain classifier fits its training episodes that way and then names sub-tasks the instruction does
+not contain, docs/experiments.md, 2026-12-07 eighth session); the scene only chooses a slot. Demonstrations
+say which slot each step is at (its sub-task's place in the episode, :meth:`DemoWindows.subtask_order
 <diffpolicy.data.windows.DemoWindows.subtask_order>`), so both factors are trained on their own labels; a
 person's correction, which does not, trains the marginal.
 """
