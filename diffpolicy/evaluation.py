@@ -49,6 +49,9 @@ class EvalResult:
     kinds: list[str] = field(default_factory=list)
     """The env's final ``info["dialogue_kind"]`` (MujocoDialogue: none, object, place: which slot a
     correction changed); '' where the env reports none."""
+    holding: list[bool | None] = field(default_factory=list)
+    """The env's final ``info["corrected_holding"]`` (MujocoDialogue: whether the gripper held a cube when the
+    correction was spoken); None where the env reports none."""
     reports_success: bool = True
     """Whether the env reports ``info["is_success"]`` at all; false (Hopper: returns, no goal) makes the
     success rate and the failure map meaningless, and the summaries give None for them."""
@@ -74,7 +77,10 @@ class EvalResult:
 
     def by_kind(self) -> dict[str, dict[str, Any]]:
         """Per episode kind (``info["dialogue_kind"]``): episodes, success rate, its Wilson interval and the
-        failure map; {} where the env reports no kinds."""
+        failure map; {} where the env reports no kinds. A corrected kind also splits by whether the gripper
+        held a cube when the correction came (``holding`` / ``not_holding``: episodes and success rate), two
+        different skills (put the wrong cube back, or turn before grasping)."""
+        holding = self.holding + [None] * (len(self.kinds) - len(self.holding))
         out = {}
         for kind in sorted({k for k in self.kinds if k}):
             idx = [i for i, k in enumerate(self.kinds) if k == kind]
@@ -85,6 +91,10 @@ class EvalResult:
                 "success_ci": [round(v, 3) for v in wilson_interval(sum(ok), len(ok))],
                 "failures": failure_counts(ok, [self.outcomes[i] for i in idx]),
             }
+            for name, held in (("holding", True), ("not_holding", False)):
+                part = [self.successes[i] for i in idx if holding[i] is held]
+                if part and kind not in ("none", "stages"):
+                    out[kind][name] = {"episodes": len(part), "success_rate": round(float(np.mean(part)), 4)}
         return out
 
     def failures(self) -> dict[str, int]:
@@ -259,6 +269,7 @@ class EpisodeRecord:
         self.grasp_miss: list[float] = []
         self.lost_grip: list[str] = []
         self.kinds: list[str] = []
+        self.holding: list[bool | None] = []
         self.env_steps = 0
         self.reports_success = False
 
@@ -269,6 +280,7 @@ class EpisodeRecord:
         self.outcome, self.miss = np.full(n, FAILED, dtype=object), np.full(n, np.nan)
         self.lost = np.full(n, "", dtype=object)
         self.kind = np.full(n, "", dtype=object)
+        self.hold = np.full(n, None, dtype=object)
 
     @property
     def wave_done(self) -> bool:
@@ -290,6 +302,7 @@ class EpisodeRecord:
             self.miss[ended] = step_info(info, "grasp_miss", n, np.nan).astype(float)[ended]
             self.lost[ended] = step_info(info, "lost_grip", n, "").astype(object)[ended]
             self.kind[ended] = step_info(info, "dialogue_kind", n, "").astype(object)[ended]
+            self.hold[ended] = step_info(info, "corrected_holding", n, None).astype(object)[ended]
         self.done |= ended
 
     def end(self) -> None:
@@ -302,6 +315,7 @@ class EpisodeRecord:
         self.grasp_miss += self.miss[live].tolist()
         self.lost_grip += [str(v) for v in self.lost[live]]
         self.kinds += [str(v) for v in self.kind[live]]
+        self.holding += [None if v is None else bool(v) for v in self.hold[live]]
 
 
 def evaluate_steps(
@@ -355,6 +369,7 @@ def _result(record: EpisodeRecord) -> EvalResult:
         lost_grip=record.lost_grip,
         returns=record.returns,
         kinds=record.kinds,
+        holding=record.holding,
         reports_success=record.reports_success,
     )
 

@@ -74,8 +74,10 @@ def test_pretrain_reports_each_episode_kind(dialogue_run):
     _, summary = dialogue_run
     kinds = summary["by_kind"]
     assert set(kinds) <= {"none", "object", "place"} and sum(v["episodes"] for v in kinds.values()) == 6
-    for v in kinds.values():
+    for kind, v in kinds.items():
         assert 0.0 <= v["success_rate"] <= 1.0 and len(v["success_ci"]) == 2
+        split = [v[k]["episodes"] for k in ("holding", "not_holding") if k in v]
+        assert sum(split) == (v["episodes"] if kind != "none" else 0)  # a correction was held or not
     assert sum(v["episodes"] for v in summary["val"]["by_kind"].values()) == 3  # choices read these
 
 

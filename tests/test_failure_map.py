@@ -119,6 +119,21 @@ def test_drops_say_how_the_grasp_was_lost() -> None:
     assert EvalResult(0.0, 0.0, 1, 0, [False], ["dropped"]).drops() == {"dropped/unknown": 1}
 
 
+def test_corrected_kinds_split_by_whether_a_cube_was_held() -> None:
+    ok = [True, False, False, True, True]
+    res = EvalResult(0.6, 0.0, 5, 0, ok, ["success", "wrong_cube", "timed_out", "success", "success"],
+                     kinds=["object", "object", "object", "place", "none"],
+                     holding=[True, True, False, False, None])  # fmt: skip
+    kinds = res.by_kind()
+    assert kinds["object"]["holding"] == {"episodes": 2, "success_rate": 0.5}
+    assert kinds["object"]["not_holding"] == {"episodes": 1, "success_rate": 0.0}
+    assert (
+        kinds["place"]["not_holding"] == {"episodes": 1, "success_rate": 1.0}
+        and "holding" not in kinds["place"]
+    )
+    assert "holding" not in kinds["none"] and "not_holding" not in kinds["none"]
+
+
 def test_failure_counts_and_exploration_noise() -> None:
     counts = failure_counts([True, False, False, False], ["success", "dropped", "dropped", "timed_out"])
     assert counts == {"dropped": 2, "timed_out": 1}
