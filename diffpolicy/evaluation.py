@@ -52,6 +52,9 @@ class EvalResult:
     holding: list[bool | None] = field(default_factory=list)
     """The env's final ``info["corrected_holding"]`` (MujocoDialogue: whether the gripper held a cube when the
     correction was spoken); None where the env reports none."""
+    stages: list[int | None] = field(default_factory=list)
+    """The env's final ``info["stage"]`` (a multi-stage task: the index of the sub-task current at the end);
+    None where the env reports none."""
     reports_success: bool = True
     """Whether the env reports ``info["is_success"]`` at all; false (Hopper: returns, no goal) makes the
     success rate and the failure map meaningless, and the summaries give None for them."""
@@ -79,8 +82,10 @@ class EvalResult:
         """Per episode kind (``info["dialogue_kind"]``): episodes, success rate, its Wilson interval and the
         failure map; {} where the env reports no kinds. A corrected kind also splits by whether the gripper
         held a cube when the correction came (``holding`` / ``not_holding``: episodes and success rate), two
-        different skills (put the wrong cube back, or turn before grasping)."""
+        different skills (put the wrong cube back, or turn before grasping). A multi-stage kind counts its
+        failed episodes by the sub-task they ended in (``failed_in``: 1-based sub-task -> episodes)."""
         holding = self.holding + [None] * (len(self.kinds) - len(self.holding))
+        stages = self.stages + [None] * (len(self.kinds) - len(self.stages))
         out = {}
         for kind in sorted({k for k in self.kinds if k}):
             idx = [i for i, k in enumerate(self.kinds) if k == kind]
@@ -95,6 +100,9 @@ class EvalResult:
                 part = [self.successes[i] for i in idx if holding[i] is held]
                 if part and kind not in ("none", "stages"):
                     out[kind][name] = {"episodes": len(part), "success_rate": round(float(np.mean(part)), 4)}
+            ended = [stages[i] for i in idx if not self.successes[i] and stages[i] is not None]
+            if ended:
+                out[kind]["failed_in"] = {str(s + 1): ended.count(s) for s in sorted(set(ended))}
         return out
 
     def failures(self) -> dict[str, int]:
@@ -270,6 +278,7 @@ class EpisodeRecord:
         self.lost_grip: list[str] = []
         self.kinds: list[str] = []
         self.holding: list[bool | None] = []
+        self.stages: list[int | None] = []
         self.env_steps = 0
         self.reports_success = False
 
@@ -281,6 +290,7 @@ class EpisodeRecord:
         self.lost = np.full(n, "", dtype=object)
         self.kind = np.full(n, "", dtype=object)
         self.hold = np.full(n, None, dtype=object)
+        self.stage = np.full(n, None, dtype=object)
 
     @property
     def wave_done(self) -> bool:
@@ -303,6 +313,7 @@ class EpisodeRecord:
             self.lost[ended] = step_info(info, "lost_grip", n, "").astype(object)[ended]
             self.kind[ended] = step_info(info, "dialogue_kind", n, "").astype(object)[ended]
             self.hold[ended] = step_info(info, "corrected_holding", n, None).astype(object)[ended]
+            self.stage[ended] = step_info(info, "stage", n, None).astype(object)[ended]
         self.done |= ended
 
     def end(self) -> None:
@@ -316,6 +327,7 @@ class EpisodeRecord:
         self.lost_grip += [str(v) for v in self.lost[live]]
         self.kinds += [str(v) for v in self.kind[live]]
         self.holding += [None if v is None else bool(v) for v in self.hold[live]]
+        self.stages += [None if v is None else int(v) for v in self.stage[live]]
 
 
 def evaluate_steps(
@@ -370,6 +382,7 @@ def _result(record: EpisodeRecord) -> EvalResult:
         returns=record.returns,
         kinds=record.kinds,
         holding=record.holding,
+        stages=record.stages,
         reports_success=record.reports_success,
     )
 

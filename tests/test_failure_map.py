@@ -132,6 +132,9 @@ def test_corrected_kinds_split_by_whether_a_cube_was_held() -> None:
         and "holding" not in kinds["place"]
     )
     assert "holding" not in kinds["none"] and "not_holding" not in kinds["none"]
+    staged = EvalResult(0.25, 0.0, 4, 0, [True, False, False, False], ["success"] + ["timed_out"] * 3,
+                        kinds=["stages"] * 4, stages=[1, 0, 1, 1])  # fmt: skip
+    assert staged.by_kind()["stages"]["failed_in"] == {"1": 1, "2": 2}
 
 
 def test_failure_counts_and_exploration_noise() -> None:

@@ -313,6 +313,8 @@ def test_stages_commands_end_to_end(tmp_path, monkeypatch):
     )
     summary = evaluate.main(cfg, run)
     assert summary["selector"] == sel["checkpoint"] and set(summary["by_kind"]) == {"stages"}
+    stages = summary["by_kind"]["stages"]
+    assert sum(stages.get("failed_in", {}).values()) == round(2 * (1 - stages["success_rate"]))
     assert os.path.isdir(tmp_path / "low") and "person" not in summary
     # a person corrects the selector; what it said trains the selector again
     run = tmp_path / "corrected"
