@@ -71,14 +71,15 @@ def train_selector(
     labels = [s for part in pool.parts for s in part.subtask(torch.arange(len(part)))]
     vocabulary = sorted(set(labels))  # a correction may name a sub-task the demonstrations never did
     target = torch.tensor([vocabulary.index(s) for s in labels])  # (N,)
-    slot_of = torch.cat([data.subtask_order(), torch.full((len(pool) - len(data),), -1)])  # (N,) -1: unknown
     slots = policy_cfg.plan_slots
-    if slots is None:  # derived: the most sub-tasks a demonstrated episode has
-        slots = int(slot_of.max()) + 1
-    elif slots and int(slot_of.max()) >= slots:
-        raise ValueError(
-            f"a demonstrated episode has {int(slot_of.max()) + 1} sub-tasks, more than policy.plan_slots={slots}"
-        )
+    if slots != 0:  # a planned selector learns each demonstrated step's slot; a correction's is unknown (-1)
+        slot_of = torch.cat([data.subtask_order(), torch.full((len(pool) - len(data),), -1)])  # (N,)
+        most = int(slot_of.max()) + 1  # the most sub-tasks a demonstrated episode has
+        if slots is not None and most > slots:
+            raise ValueError(
+                f"a demonstrated episode has {most} sub-tasks, more than policy.plan_slots={slots}"
+            )
+        slots = most if slots is None else slots
     selector = SubtaskSelector(
         policy_cfg.encoder, data.obs_spec, vocabulary, policy_cfg.cond_dim, text_backend, slots
     )
@@ -152,7 +153,7 @@ def _planned_loss(
     negative log-likelihood of both factors, slot and sub-task in it; where it is not (-1, a person's
     correction), of the marginal."""
     slot, plan = selector.factors(obs, True, gen)  # (B, S), (B, S, V)
-    marginal = torch.logsumexp(slot.unsqueeze(-1) + plan, dim=1)  # (B, V)
+    marginal = selector.marginal(slot, plan)  # (B, V)
     rows = torch.arange(len(target), device=target.device)
     known = order >= 0
     at = order.clamp_min(0)

@@ -139,9 +139,9 @@ class DemoWindows:
     def subtask_order(self) -> torch.Tensor:
         """Every window's sub-task's place in its episode (N,) long: 0 for the first sub-task the episode
         labels, 1 for the next new one, ... (a label met again keeps its first place)."""
-        labels = self.data[SUBTASK_KEY][self.obs_idx[:, -1]] if self.has_subtask else None
-        if labels is None:
+        if not self.has_subtask:
             raise ValueError(f"demonstrations at {self.path} record no {SUBTASK_KEY!r} label")
+        labels = self.data[SUBTASK_KEY][self.obs_idx[:, -1]]
         order = torch.empty(len(self), dtype=torch.long)
         seen: dict[tuple[int, int], int] = {}
         count: dict[int, int] = {}

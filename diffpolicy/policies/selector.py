@@ -96,8 +96,12 @@ class SubtaskSelector(nn.Module):
         plan, the log-probabilities of the marginal over its slots (module docstring)."""
         if not self.plan_slots:
             return self.head(self.obs_encoder(obs, augment, generator))
-        slot, plan = self.factors(obs, augment, generator)
-        return torch.logsumexp(slot.unsqueeze(-1) + plan, dim=1)  # (B, V)
+        return self.marginal(*self.factors(obs, augment, generator))
+
+    @staticmethod
+    def marginal(slot: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        """log p(v) = log sum_s p(s) p(v | s) of the two factors' log-probabilities (B, S) and (B, S, V) -> (B, V)."""
+        return torch.logsumexp(slot.unsqueeze(-1) + plan, dim=1)
 
     def factors(
         self, obs: Mapping[str, Any], augment: bool = False, generator: torch.Generator | None = None
